@@ -1,0 +1,1 @@
+"""backplane: an LLM model executor whose every backend is a plugin."""

@@ -1,0 +1,10 @@
+"""The core's builtin plugin for LoRA: registers the torch_native reference backend."""
+
+from backplane.hookspecs import hookimpl
+
+
+@hookimpl
+def backplane_register_lora_backends(register):
+    from backplane.lora.torch_native import SPEC
+
+    register(SPEC)

@@ -1,0 +1,11 @@
+"""The names of the custom ops that plugins may implement."""
+
+OP_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "gelu",
+    "quick_gelu",
+    "rotary_embedding",
+)

@@ -1,0 +1,182 @@
+"""ServerArgs: the one typed settings model behind the CLI, the Python API and BACKPLANE_* env vars.
+
+Every field is a kebab-case flag (`max_running_requests` -> `--max-running-requests`) and an env
+var (`BACKPLANE_MAX_RUNNING_REQUESTS`). Plugin option groups registered through
+`backplane_register_settings` become `--<group>.<option>` and `BACKPLANE_<GROUP>__<OPTION>`.
+Command-line values win over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "BACKPLANE_"
+# Read before settings exist (they decide which plugins load, and so which flags exist).
+ENV_PLUGINS = "BACKPLANE_PLUGINS"
+ENV_STRICT_PLUGINS = "BACKPLANE_STRICT_PLUGINS"
+
+
+class SettingsError(ValueError):
+    """A bad setting; the message is one line naming the flag, the env var, the value and what is allowed."""
+
+
+class ServerArgs(BaseSettings):
+    """Every option of the executor. See `backplane generate --help` for the flag of each."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # Model and device
+    model: str = Field("tiny-llama", description="a local Hugging Face directory or a preset name")
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto", description="auto: dummy for a preset, safetensors for a directory"
+    )
+    tokenizer_path: str | None = Field(None, description="tokenizer directory (default: the model's)")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on cuda, float32 on cpu"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    seed: int = Field(0, ge=0, description="seed for dummy weights and sampling")
+    context_length: int | None = Field(None, ge=1, description="max tokens per request")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size")
+    # Backends
+    attention_backend: str = Field("auto", description="registered attention backend or auto")
+    prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
+    decode_attention_backend: str | None = Field(None, description="default: --attention-backend")
+    custom_ops: list[str] = Field(default_factory=list, description="overrides such as rms_norm=native")
+    strict_plugins: bool = Field(False, description="a plugin that fails to load is fatal")
+    # LoRA
+    lora_paths: list[str] = Field(default_factory=list, description="adapters as name=path")
+    lora_backend: str = Field("auto", description="registered LoRA backend or auto")
+    max_loras_per_batch: int = Field(8, ge=1, description="adapter slots on the device")
+    max_lora_rank: int | None = Field(None, ge=1, description="default: the largest adapter's rank")
+    # Speculative decoding
+    speculative_algorithm: str | None = Field(None, description="registered algorithm (eagle, ngram)")
+    speculative_draft_model: str | None = Field(None, description="draft model directory (EAGLE)")
+    speculative_num_steps: int = Field(3, ge=1, description="draft steps")
+    speculative_eagle_topk: int = Field(1, ge=1, description="branching factor of the draft tree")
+    speculative_num_draft_tokens: int = Field(4, ge=1, description="draft tokens verified per step")
+    # CUDA graphs and compilation
+    cuda_graph_bs: list[int] | None = Field(None, description="batch sizes to capture")
+    cuda_graph_max_bs: int = Field(160, ge=1, description="largest batch size to capture")
+    disable_cuda_graph: bool = Field(False, description="run decode eagerly")
+    disable_cuda_graph_padding: bool = Field(False, description="capture 1..32, 64, 128")
+    enable_torch_compile: bool = Field(False, description="torch.compile small batch sizes")
+    torch_compile_max_bs: int = Field(32, ge=1, description="largest batch size to compile")
+    # Memory and scheduling
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="device memory for weights+KV")
+    max_total_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens")
+    max_running_requests: int | None = Field(None, ge=1, description="requests decoded at once")
+    chunked_prefill_size: int = Field(8192, ge=1, description="max new tokens in one prefill batch")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="logging")
+    # Plugin option groups, filled from --<group>.<option> and BACKPLANE_<GROUP>__<OPTION>.
+    plugin_options: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @field_validator("cuda_graph_bs")
+    @classmethod
+    def _check_graph_bs(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return value
+        if not value or any(b < 1 for b in value):
+            raise ValueError("expected positive batch sizes")
+        if len(set(value)) != len(value):
+            raise ValueError("expected distinct batch sizes, got duplicates")
+        return sorted(value)
+
+    @field_validator("lora_paths")
+    @classmethod
+    def _check_lora_paths(cls, value: list[str]) -> list[str]:
+        names = [_split_pair(item, "name=path") [0] for item in value]
+        if len(set(names)) != len(names):
+            raise ValueError("expected distinct adapter names")
+        return value
+
+    @field_validator("custom_ops")
+    @classmethod
+    def _check_custom_ops(cls, value: list[str]) -> list[str]:
+        for item in value:
+            _split_pair(item, "op=implementation")
+        return value
+
+    @property
+    def lora_path_map(self) -> dict[str, str]:
+        return dict(_split_pair(item, "name=path") for item in self.lora_paths)
+
+    @property
+    def custom_op_overrides(self) -> dict[str, str]:
+        return dict(_split_pair(item, "op=implementation") for item in self.custom_ops)
+
+    def options_for(self, group: str) -> Any:
+        """The parsed option model of a plugin group (None when the group is not registered)."""
+        return self.plugin_options.get(group)
+
+
+def _split_pair(item: str, shape: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name or not value:
+        raise ValueError(f"expected {shape}, got {item!r}")
+    return name, value
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str, group: str | None = None) -> str:
+    if group:
+        return f"{ENV_PREFIX}{group.replace('-', '_').upper()}__{field.upper()}"
+    return ENV_PREFIX + field.upper()
+
+
+def format_validation_error(err: ValidationError, group: str | None = None) -> str:
+    """One line: the flag, its env var, the value received and what is allowed."""
+    first = err.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else "?"
+    flag = f"--{group}.{field.replace('_', '-')}" if group else flag_name(field)
+    value = first.get("input")
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{flag} (env {env_name(field, group)}): invalid value {value!r}: {message}"
+
+
+def build_server_args(cli_values: dict[str, Any], group_models: dict[str, type] | None = None,
+                      group_values: dict[str, dict[str, Any]] | None = None) -> ServerArgs:
+    """Validate CLI values over the environment; raise SettingsError with a one-line message."""
+    try:
+        args = ServerArgs(**cli_values)
+    except ValidationError as err:
+        raise SettingsError(format_validation_error(err)) from None
+    args.plugin_options = build_plugin_options(group_models or {}, group_values or {})
+    return args
+
+
+def build_plugin_options(group_models: dict[str, type], group_values: dict[str, dict[str, Any]]) -> dict:
+    """Instantiate each plugin group's model from env vars overlaid by CLI values."""
+    options = {}
+    for group, model in group_models.items():
+        values = {**_group_env_values(group, model), **group_values.get(group, {})}
+        try:
+            options[group] = model(**values)
+        except ValidationError as err:
+            raise SettingsError(format_validation_error(err, group)) from None
+    unknown = set(group_values) - set(group_models)
+    if unknown:
+        raise SettingsError(
+            f"--{sorted(unknown)[0]}.*: unknown option group; registered: {', '.join(sorted(group_models)) or 'none'}"
+        )
+    return options
+
+
+def _group_env_values(group: str, model: type) -> dict[str, Any]:
+    values = {}
+    for field in model.model_fields:
+        raw = os.environ.get(env_name(field, group))
+        if raw is not None:
+            values[field] = raw
+    return values
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
