@@ -1,1 +1,49 @@
-"""backplane: an LLM model executor whose every backend is a plugin."""
+"""backplane: an LLM model executor whose every backend is a plugin.
+
+The public API: markers and specs for plugin authors, Engine and SamplingParams for users.
+Heavy modules (the engine, kernels) load on first use, so `import backplane` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backplane.hookspecs import hookimpl, hookspec
+from backplane.registry import (
+    AttentionBackendSpec,
+    CustomOpImpl,
+    LoraBackendSpec,
+    ModelSpec,
+    SpecAlgorithmSpec,
+)
+from backplane.settings import ServerArgs
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": "backplane.engine",
+    "SamplingParams": "backplane.engine",
+    "ForwardBatch": "backplane.batch",
+    "ForwardMode": "backplane.batch",
+    "AttentionBackend": "backplane.attention.base",
+}
+
+__all__ = [
+    "AttentionBackendSpec",
+    "CustomOpImpl",
+    "LoraBackendSpec",
+    "ModelSpec",
+    "ServerArgs",
+    "SpecAlgorithmSpec",
+    "hookimpl",
+    "hookspec",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'backplane' has no attribute {name!r}")

@@ -62,11 +62,21 @@ def _add_settings_flags(parser: argparse.ArgumentParser, plugin_set: PluginSet) 
         add_model_flags(parser, model, group=group)
 
 
+def parse_server_args(argv: list[str], plugin_set: PluginSet) -> ServerArgs:
+    """Parse ServerArgs (and plugin groups) from flags as `backplane generate` would."""
+    ns = build_parser(plugin_set).parse_args(["generate", *argv])
+    core, grouped = split_namespace(ns, plugin_set.settings_groups())
+    return build_server_args(core, plugin_set.settings_groups(), grouped)
+
+
 def _settings_handler(run: Callable[[argparse.Namespace, ServerArgs, PluginSet], int]):
     def handler(ns: argparse.Namespace, plugin_set: PluginSet) -> int:
         core, grouped = split_namespace(ns, plugin_set.settings_groups())
         args = build_server_args(core, plugin_set.settings_groups(), grouped)
-        plugin_set.configure(args)
+        try:
+            plugin_set.configure(args)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
         return run(ns, args, plugin_set)
 

@@ -45,10 +45,12 @@ def _argparse_kwargs(annotation: Any) -> dict[str, Any]:
 
 
 def _strip_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _strip_optional(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0]
+            return _strip_optional(args[0])
     return annotation
 
 

@@ -75,13 +75,13 @@ class TokenToKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     def alloc(self, n: int) -> torch.Tensor:
-        """Return `n` free slots as an int64 tensor on the pool's device."""
+        """Return `n` free slots as a host int64 tensor (the allocator lives on the host)."""
         if n > self._num_free:
             raise PoolExhaustedError(f"KV pool: asked for {n} slots, {self._num_free} free")
         out = self._free[self._num_free - n : self._num_free].clone()
         self._num_free -= n
         self._is_free[out] = False
-        return out.to(self.device)
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
         """Return slots to the pool; freeing the dump slot or a free slot is an internal error."""

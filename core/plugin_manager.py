@@ -14,7 +14,7 @@ import os
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any
+from typing import Any, Sequence
 
 import pluggy
 
@@ -82,8 +82,14 @@ def new_plugin_manager() -> pluggy.PluginManager:
     return pm
 
 
-def load_plugins(strict: bool | None = None, only: list[str] | None = None) -> PluginSet:
-    """Load builtins and entry points; `only` (default: BACKPLANE_PLUGINS) limits the entry points."""
+def load_plugins(
+    strict: bool | None = None, only: list[str] | None = None, extra: Sequence[Any] = ()
+) -> PluginSet:
+    """Load builtins, then entry points, then `extra` plugin objects (modules or instances).
+
+    `only` (default: BACKPLANE_PLUGINS) limits the entry points; `extra` is how a program or a
+    test registers a plugin without packaging it (`Engine(..., plugins=[my_plugin])`).
+    """
     strict = env_flag(ENV_STRICT_PLUGINS) if strict is None else strict
     only = _env_plugin_filter() if only is None else only
     plugin_set = PluginSet(new_plugin_manager(), Registry(), [], [])
@@ -97,6 +103,10 @@ def load_plugins(strict: bool | None = None, only: list[str] | None = None) -> P
             version=ep.dist.version if ep.dist else None,
         )
         _load_one(plugin_set, info, ep.load, strict)
+    for obj in extra:
+        name = getattr(obj, "__name__", None) or type(obj).__name__
+        info = PluginInfo(name=name, module=getattr(obj, "__module__", name) or name, builtin=False)
+        _load_one(plugin_set, info, lambda o=obj: o, strict)
     plugin_set.pm.check_pending()
     return plugin_set
 

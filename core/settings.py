@@ -9,15 +9,20 @@ Command-line values win over the environment.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "BACKPLANE_"
 # Read before settings exist (they decide which plugins load, and so which flags exist).
 ENV_PLUGINS = "BACKPLANE_PLUGINS"
 ENV_STRICT_PLUGINS = "BACKPLANE_STRICT_PLUGINS"
+
+
+# Lists in env vars are written "a,b,c" (or space separated), not JSON.
+StrList = Annotated[list[str], NoDecode]
+IntList = Annotated[list[int], NoDecode]
 
 
 class SettingsError(ValueError):
@@ -46,10 +51,10 @@ class ServerArgs(BaseSettings):
     attention_backend: str = Field("auto", description="registered attention backend or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
     decode_attention_backend: str | None = Field(None, description="default: --attention-backend")
-    custom_ops: list[str] = Field(default_factory=list, description="overrides such as rms_norm=native")
+    custom_ops: StrList = Field(default_factory=list, description="overrides such as rms_norm=native")
     strict_plugins: bool = Field(False, description="a plugin that fails to load is fatal")
     # LoRA
-    lora_paths: list[str] = Field(default_factory=list, description="adapters as name=path")
+    lora_paths: StrList = Field(default_factory=list, description="adapters as name=path")
     lora_backend: str = Field("auto", description="registered LoRA backend or auto")
     max_loras_per_batch: int = Field(8, ge=1, description="adapter slots on the device")
     max_lora_rank: int | None = Field(None, ge=1, description="default: the largest adapter's rank")
@@ -60,7 +65,7 @@ class ServerArgs(BaseSettings):
     speculative_eagle_topk: int = Field(1, ge=1, description="branching factor of the draft tree")
     speculative_num_draft_tokens: int = Field(4, ge=1, description="draft tokens verified per step")
     # CUDA graphs and compilation
-    cuda_graph_bs: list[int] | None = Field(None, description="batch sizes to capture")
+    cuda_graph_bs: IntList | None = Field(None, description="batch sizes to capture")
     cuda_graph_max_bs: int = Field(160, ge=1, description="largest batch size to capture")
     disable_cuda_graph: bool = Field(False, description="run decode eagerly")
     disable_cuda_graph_padding: bool = Field(False, description="capture 1..32, 64, 128")
@@ -74,6 +79,13 @@ class ServerArgs(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="logging")
     # Plugin option groups, filled from --<group>.<option> and BACKPLANE_<GROUP>__<OPTION>.
     plugin_options: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @field_validator("custom_ops", "lora_paths", "cuda_graph_bs", mode="before")
+    @classmethod
+    def _split_env_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item for item in value.replace(",", " ").split() if item]
+        return value
 
     @field_validator("cuda_graph_bs")
     @classmethod
@@ -89,7 +101,7 @@ class ServerArgs(BaseSettings):
     @field_validator("lora_paths")
     @classmethod
     def _check_lora_paths(cls, value: list[str]) -> list[str]:
-        names = [_split_pair(item, "name=path") [0] for item in value]
+        names = [_split_pair(item, "name=path")[0] for item in value]
         if len(set(names)) != len(names):
             raise ValueError("expected distinct adapter names")
         return value

@@ -1,0 +1,42 @@
+"""A composite backend: one backend for prefill-like modes and another for decode.
+
+Built when `--prefill-attention-backend` and `--decode-attention-backend` differ. It implements the
+same AttentionBackend contract, so the rest of the executor does not know it is two backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backplane.attention.base import AttentionBackend, AttentionLayerInfo
+from backplane.batch import ForwardBatch
+
+
+class HybridAttnBackend(AttentionBackend):
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
+        self.prefill = prefill
+        self.decode = decode
+
+    def _pick(self, batch: ForwardBatch) -> AttentionBackend:
+        return self.decode if batch.forward_mode.is_decode else self.prefill
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._pick(batch).init_forward_metadata(batch)
+
+    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+        return self.prefill.forward_extend(q, k, v, layer, batch)
+
+    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+        return self.decode.forward_decode(q, k, v, layer, batch)
+
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        for backend in {id(b): b for b in (self.prefill, self.decode)}.values():
+            backend.init_graph_state(max_bs, max_num_tokens)
+
+    def init_metadata_for_capture(self, key: Any, batch: ForwardBatch) -> None:
+        self._pick(batch).init_metadata_for_capture(key, batch)
+
+    def init_metadata_for_replay(self, key: Any, batch: ForwardBatch) -> None:
+        self._pick(batch).init_metadata_for_replay(key, batch)

@@ -1,0 +1,123 @@
+"""Engine: the offline entry point. `Engine(model=..., **server_args).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Sequence
+
+from backplane.engine.request import FinishReason, Req, RequestOutput
+from backplane.engine.sampling_params import SamplingParams
+from backplane.engine.scheduler import Scheduler
+from backplane.engine.tokenizer import eos_ids, load_tokenizer
+from backplane.plugin_manager import PluginSet, load_plugins
+from backplane.settings import ServerArgs, build_server_args
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Loads plugins, builds the model runner from ServerArgs, and serves generate calls.
+
+    Engine(model="tiny-llama", attention_backend="auto", max_total_tokens=4096, ...): keyword
+    arguments are ServerArgs fields; `plugin_options={"group": {...}}` sets plugin option groups;
+    `plugins=[obj, ...]` registers plugin objects without packaging them.
+    """
+
+    def __init__(self, model: str | None = None, *, plugins: Sequence[Any] = (),
+                 plugin_options: dict[str, dict[str, Any]] | None = None,
+                 server_args: ServerArgs | None = None, plugin_set: PluginSet | None = None, **kwargs: Any):
+        from backplane.model_runner import ModelRunner
+
+        if model is not None:
+            kwargs["model"] = model
+        self.plugin_set = plugin_set or load_plugins(strict=kwargs.get("strict_plugins"), extra=plugins)
+        self.args = server_args or build_server_args(kwargs, self.plugin_set.settings_groups(), plugin_options)
+        self.plugin_set.configure(self.args)
+        self.runner = ModelRunner(self.args, self.plugin_set)
+        self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size))
+        self.scheduler = Scheduler(
+            self.runner, max_running=self.args.max_running_requests or self.runner.req_to_token_pool.size - 1,
+            chunk_size=self.args.chunked_prefill_size,
+            eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
+            detokenize=self.decode, seed=self.args.seed,
+        )
+        self._rids = itertools.count()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    @property
+    def backends(self) -> dict[str, Any]:
+        return self.runner.backends_summary()
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 input_ids: Sequence[Sequence[int]] | Sequence[int] | None = None,
+                 lora: str | Sequence[str | None] | None = None, progress=None) -> list[RequestOutput]:
+        """Run every request to completion with continuous batching; one output per request, in order.
+
+        A request that cannot run (empty, too long, unknown adapter) comes back with
+        finish_reason "abort" and `error`; the others are served normally.
+        """
+        reqs = self._make_requests(prompts, input_ids, sampling_params, lora)
+        for req in reqs:
+            if not req.finished:
+                self.scheduler.add(req)
+        while self.scheduler.has_work:
+            finished = self._step()
+            if progress is not None:
+                progress(finished)
+        return [self._output(req) for req in reqs]
+
+    def _step(self) -> list[Req]:
+        try:
+            return self.scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - a failing forward must not lose the pool
+            logger.exception("forward failed; aborting the running requests")
+            return self.scheduler.abort_all(f"forward pass failed: {type(exc).__name__}: {exc}")
+
+    def _make_requests(self, prompts, input_ids, sampling_params, lora) -> list[Req]:
+        token_lists = self._token_lists(prompts, input_ids)
+        params = _broadcast(sampling_params or SamplingParams(), len(token_lists), "sampling_params")
+        adapters = _broadcast(lora, len(token_lists), "lora")
+        reqs = [Req(next(self._rids), ids, p, a) for ids, p, a in zip(token_lists, params, adapters)]
+        for req in reqs:
+            if req.lora is not None:
+                self._check_adapter(req)
+        return reqs
+
+    def _check_adapter(self, req: Req) -> None:
+        known = self.args.lora_path_map
+        if req.lora not in known:
+            req.abort(f"request {req.rid}: unknown LoRA adapter {req.lora!r}; "
+                      f"loaded: {', '.join(sorted(known)) or 'none (pass --lora-paths name=path)'}")
+
+    def _token_lists(self, prompts, input_ids) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("generate: pass exactly one of prompts or input_ids")
+        if input_ids is not None:
+            if input_ids and isinstance(input_ids[0], int):
+                input_ids = [input_ids]
+            return [list(map(int, ids)) for ids in input_ids]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if self.tokenizer is None:
+            raise ValueError(f"--model {self.args.model}: has no tokenizer; pass input_ids instead of prompts")
+        return [list(self.tokenizer.encode(p)) for p in prompts]
+
+    def _output(self, req: Req) -> RequestOutput:
+        text = req.text if (req.params.stop and req.text) else self.decode(req.output_ids)
+        return RequestOutput(
+            token_ids=list(req.output_ids), text=text,
+            finish_reason=(req.finish_reason or FinishReason.ABORT).value, logprobs=list(req.logprobs),
+            prompt_token_ids=req.prompt_ids, error=req.error,
+        )
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"generate: {name} has {len(value)} entries for {n} requests; expected one or {n}")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,74 @@
+"""Req: one request's state as the scheduler moves it from waiting to finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backplane.engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-sequence token, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # rejected or failed; `error` says why
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    lora: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: str = ""
+    # KV state: the request-pool row and the slots of the first `num_cached` tokens.
+    row: int | None = None
+    slots: list[torch.Tensor] = field(default_factory=list)
+    num_cached: int = 0
+    generator: torch.Generator | None = None
+    spec_state: Any = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def needs_prefill(self) -> bool:
+        """True until every token but the last generated one has its KV in the pool."""
+        return self.num_cached < len(self.all_ids) - (1 if self.output_ids else 0)
+
+    def abort(self, message: str) -> None:
+        self.finish_reason = FinishReason.ABORT
+        self.error = message
+
+
+@dataclass
+class RequestOutput:
+    """What `Engine.generate` returns per request: generated token ids (prompt excluded), text,
+    finish reason ("stop", "length" or "abort"), the chosen tokens' log-probabilities, and for an
+    aborted request the error."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float]
+    prompt_token_ids: list[int]
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+               "logprobs": self.logprobs}
+        if self.error:
+            out["error"] = self.error
+        return out

@@ -1,0 +1,180 @@
+"""Continuous batching: a waiting queue, a running set, prefill batches then decode batches.
+
+Admission needs a free request row (at most --max-running-requests run at once) and enough free
+KV slots for the prompt chunk plus one slot per running request. Prompts longer than
+--chunked-prefill-size are prefilled in chunks over several steps. When decode runs out of KV
+slots the newest running request is preempted: its slots are freed and it waits again, to be
+recomputed later with its output so far. A request that could never fit (longer than the
+context or the whole pool) is aborted with a clear error while the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+import torch
+
+from backplane.batch import ForwardBatch
+from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
+from backplane.engine.request import FinishReason, Req
+from backplane.engine.stopping import check_stop
+from backplane.layers.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner, max_running: int, chunk_size: int, eos_token_ids: set[int],
+                 detokenize: Callable[[list[int]], str], seed: int = 0):
+        self.runner = runner
+        self.req_pool = runner.req_to_token_pool
+        self.kv_pool = runner.token_to_kv_pool
+        self.max_running = min(max_running, self.req_pool.size - 1)
+        self.chunk_size = chunk_size
+        self.eos_token_ids = eos_token_ids
+        self.detokenize = detokenize
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.shared_generator = torch.Generator(runner.device).manual_seed(seed)
+        self.hooks = runner.extra_batch_hooks if hasattr(runner, "extra_batch_hooks") else []
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        """Queue a request, or abort it at once if it can never run."""
+        error = self._never_fits(req)
+        if error:
+            req.abort(error)
+            return
+        if req.params.seed is not None:
+            req.generator = torch.Generator(self.runner.device).manual_seed(req.params.seed)
+        self.waiting.append(req)
+
+    def _never_fits(self, req: Req) -> str | None:
+        n, m = len(req.prompt_ids), req.params.max_new_tokens
+        if n == 0:
+            return f"request {req.rid}: empty prompt; expected at least one token"
+        context = self.runner.context_len
+        if n + m > context:
+            return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} exceeds the context "
+                    f"length {context}; shorten the prompt or lower max_new_tokens")
+        if n + m > self.kv_pool.num_slots:
+            return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} needs {n + m} KV slots "
+                    f"but the pool holds {self.kv_pool.num_slots}; raise --max-total-tokens")
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Run one prefill or decode batch; return the requests that finished in it."""
+        prefill = self._schedule_prefill()
+        if prefill:
+            return self._run_prefill(*prefill)
+        decode = self._schedule_decode()
+        return self._run_decode(decode) if decode else []
+
+    def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
+        reqs, chunks, budget = [], [], self.chunk_size
+        reserve = sum(1 for r in self.running if not r.needs_prefill)
+        free = self.kv_pool.num_free - reserve
+        candidates = [r for r in self.running if r.needs_prefill] + list(self.waiting)
+        for req in candidates:
+            is_new = req.row is None
+            if budget == 0 or (is_new and len(self.running) + sum(r.row is None for r in reqs) >= self.max_running):
+                break
+            remaining = len(req.all_ids) - req.num_cached - (1 if req.output_ids else 0)
+            n = min(remaining, budget)
+            if n > free:
+                break
+            reqs.append(req)
+            chunks.append(n)
+            budget -= n
+            free -= n
+        if not reqs:
+            return None
+        for req in reqs:
+            if req.row is None:
+                self.waiting.remove(req)
+                req.row = self.req_pool.alloc()
+                self.running.append(req)
+        return reqs, chunks
+
+    def _schedule_decode(self) -> list[Req]:
+        ready = [r for r in self.running if not r.needs_prefill]
+        while ready and self.kv_pool.num_free < len(ready):
+            victim = ready.pop()  # newest first
+            self._preempt(victim)
+        return ready
+
+    def _preempt(self, req: Req) -> None:
+        logger.info("preempting request %d (KV pool full); it will be recomputed", req.rid)
+        self._release(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        if req.slots:
+            self.kv_pool.free(torch.cat(req.slots))
+        req.slots, req.num_cached = [], 0
+        if req.row is not None:
+            self.req_pool.free(req.row)
+            req.row = None
+
+    # -- running batches ------------------------------------------------------------------------
+
+    def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> list[Req]:
+        batch = build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool)
+        completes = [req.num_cached + n == len(req.all_ids) for req, n in zip(reqs, chunks)]
+        for req, n in zip(reqs, chunks):
+            req.num_cached += n
+        logits = self.runner.forward(batch).logits
+        done = [req for req, c in zip(reqs, completes) if c]
+        rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
+        return self._sample_and_advance(done, logits.index_select(0, rows)) if done else []
+
+    def _run_decode(self, reqs: list[Req]) -> list[Req]:
+        batch = build_decode_batch(reqs, self.kv_pool, self.req_pool)
+        for req in reqs:
+            req.num_cached += 1
+        logits = self.runner.forward(batch).logits
+        return self._sample_and_advance(reqs, logits)
+
+    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
+        tokens, logprobs = sample(logits, sampling_batch(reqs, logits.device), self.shared_generator)
+        finished = []
+        for req, token, logprob in zip(reqs, tokens.tolist(), logprobs.tolist()):
+            req.output_ids.append(token)
+            req.logprobs.append(logprob)
+            if check_stop(req, self.eos_token_ids, self.detokenize):
+                self._release(req)
+                self.running.remove(req)
+                finished.append(req)
+        return finished
+
+    def abort_all(self, message: str) -> list[Req]:
+        """Abort every queued and running request (after an unrecoverable forward error)."""
+        reqs = list(self.running) + list(self.waiting)
+        for req in reqs:
+            self._release(req)
+            req.abort(message)
+        self.running.clear()
+        self.waiting.clear()
+        return reqs
+
+
+def sampling_batch(reqs: list[Req], device: torch.device) -> SamplingBatch:
+    params = [r.params for r in reqs]
+    return SamplingBatch(
+        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        generators=[r.generator for r in reqs],
+        all_greedy=all(p.is_greedy for p in params),
+    )

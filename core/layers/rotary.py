@@ -1,0 +1,46 @@
+"""Rotary position embedding layer: a cos/sin cache plus the `rotary_embedding` custom op."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from backplane.ops.rope import build_cos_sin_cache
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their positions.
+
+    cos_sin_cache: [max_position, rotary_dim] fp32 buffer (not in the state dict), built on the
+    CPU and moved to the current default device. ctx.ops is read at every call.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None, is_neox: bool, ctx):
+        super().__init__()
+        if rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim: expected at most head_dim={head_dim}, got {rotary_dim}")
+        self.ctx = ctx
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.is_neox = is_neox
+        cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling)
+        self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [T]; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim] -> same shapes."""
+        num_tokens = positions.shape[0]
+        q3 = q.view(num_tokens, -1, self.head_dim)
+        k3 = k.view(num_tokens, -1, self.head_dim)
+        q3, k3 = self.ctx.ops.rotary_embedding(positions, q3, k3, self.cos_sin_cache, self.is_neox)
+        return q3.reshape(q.shape), k3.reshape(k.shape)
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: a model-wide .to(dtype) / .half() must not round the fp32 cache: keep the original
+        # values and follow only the device change.
+        cache = self.cos_sin_cache
+        out = super()._apply(fn, recurse)
+        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
+        return out

@@ -1,0 +1,41 @@
+"""What every model receives when built (ModelContext) and returns from a forward (ModelOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backplane.layers.parallel import ParallelContext
+from backplane.ops.dispatch import CustomOps
+
+
+@dataclass
+class ModelContext:
+    """Shared by every layer of one model.
+
+    attn_backend: an object with `.forward(q, k, v, layer_info, batch)` (an AttentionBackend or a
+      composite of several). The layers read it, and `ops`, at every call, so the model runner may
+      set them after the model is built (the backend needs the KV pool, sized from the model) and
+      may swap `ops` for `CustomOps.native()` inside torch.compile.
+    dtype, device: where the parameters live. parallel: this rank's tensor-parallel position.
+    """
+
+    attn_backend: Any = None
+    ops: CustomOps = field(default_factory=CustomOps.native)
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+    parallel: ParallelContext = field(default_factory=ParallelContext)
+
+
+@dataclass
+class ModelOutput:
+    """logits: [num_selected, vocab_size] fp32 (rows chosen by LogitsProcessor).
+
+    hidden_states: [num_tokens, hidden_size], the final-normed hidden state of every token when
+    `batch.extra.get("capture_hidden")` is true (EAGLE drafts from it), else None.
+    """
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None

@@ -1,0 +1,43 @@
+"""Reading Llama-family settings from a transformers config, across transformers 4.x and 5.x."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def rope_settings(config) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope scaling dict or None, partial_rotary_factor).
+
+    transformers 5 keeps everything in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"rope_parameters: per-layer-type rope is not supported by the Llama family, got {params}")
+    scaling = params or getattr(config, "rope_scaling", None)
+    theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    partial = (params or {}).get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    return float(theta), scaling, float(partial)
+
+
+def sliding_window_of(config, layer_id: int) -> int:
+    """The layer's attention window (0 = full attention).
+
+    `layer_types` (transformers 5 Qwen2/Qwen3) decides per layer; otherwise Qwen's
+    `use_sliding_window` / `max_window_layers` (4.x), otherwise `sliding_window` (Mistral).
+    """
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_id] == "sliding_attention" else 0
+    use = getattr(config, "use_sliding_window", None)
+    if use is None:
+        return window
+    return window if use and layer_id >= getattr(config, "max_window_layers", 0) else 0

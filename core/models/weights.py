@@ -1,0 +1,96 @@
+"""Mapping Hugging Face checkpoint tensors onto fused, rank-local parameters (the Llama family)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from backplane.layers.linear import copy_checked
+from backplane.models.config_utils import head_dim_of, num_kv_heads_of
+
+# (fused parameter, checkpoint name, shard id) — e.g. ".q_proj." loads into ".qkv_proj." as "q".
+STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _target(hf_name: str) -> tuple[str, object]:
+    """(parameter name, shard id or None) for a checkpoint tensor name."""
+    for fused, original, shard_id in STACKED_PARAMS:
+        if original in hf_name:
+            return hf_name.replace(original, fused), shard_id
+    return hf_name, None
+
+
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, hf_name: str) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        copy_checked(param, tensor, f"weight {hf_name!r}")
+    elif shard_id is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard_id)
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    """Load (hf_name, full tensor) pairs into `model`; returns the names of the parameters loaded.
+
+    Tied embeddings: a checkpoint `lm_head.weight` is skipped (the embedding is used). strict:
+    an unknown checkpoint name, or a parameter left unloaded, is a ValueError naming it.
+    """
+    params = dict(model.named_parameters())
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        if hf_name.endswith(IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            continue
+        name, shard_id = _target(hf_name)
+        if name not in params:
+            if strict:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter in {type(model).__name__}")
+            continue
+        _load_one(params[name], tensor, shard_id, hf_name)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if strict and missing:
+        raise ValueError(f"{type(model).__name__}: the checkpoint has no weights for {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return loaded
+
+
+def llama_checkpoint_shapes(config, qkv_bias: bool, qk_norm: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and full shapes of a Hugging Face Llama-family checkpoint, in a fixed order."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = head_dim_of(config)
+    q_size = config.num_attention_heads * head_dim
+    kv_size = num_kv_heads_of(config) * head_dim
+    attn_bias = bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for proj, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            shapes.append((f"{p}self_attn.{proj}.weight", (size, hidden)))
+            if qkv_bias or attn_bias:
+                shapes.append((f"{p}self_attn.{proj}.bias", (size,)))
+        shapes.append((f"{p}self_attn.o_proj.weight", (hidden, q_size)))
+        if attn_bias:
+            shapes.append((f"{p}self_attn.o_proj.bias", (hidden,)))
+        if qk_norm:
+            shapes += [(f"{p}self_attn.q_norm.weight", (head_dim,)), (f"{p}self_attn.k_norm.weight", (head_dim,))]
+        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            shapes.append((f"{p}mlp.{proj}.weight", shape))
+            if mlp_bias:
+                shapes.append((f"{p}mlp.{proj}.bias", shape[:1]))
+        shapes += [(f"{p}input_layernorm.weight", (hidden,)), (f"{p}post_attention_layernorm.weight", (hidden,))]
+    shapes.append(("model.norm.weight", (hidden,)))
+    if not getattr(config, "tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", (vocab, hidden)))
+    return shapes

@@ -1,0 +1,12 @@
+"""The builtin plugin that registers the native custom ops, through the same hook as any plugin."""
+
+from backplane.hookspecs import hookimpl
+from backplane.ops.native import NATIVE_OPS
+from backplane.registry import CustomOpImpl
+
+
+@hookimpl
+def backplane_register_custom_ops(register):
+    for platform in ("cpu", "cuda"):
+        for op, fn in NATIVE_OPS.items():
+            register(CustomOpImpl(op=op, platform=platform, fn=fn, name="native", priority=0))

@@ -1,0 +1,82 @@
+"""Block sizes, warps and pipeline stages per head dim and device, and the KV-split heuristic.
+
+On CPU (the Triton interpreter) only correctness matters; on CUDA the defaults target Hopper
+(H100/H200: 132 SMs, 228 KB shared memory per SM) and stay safe on Ampere.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """block_n: keys per loop step; min_split: fewest keys worth a split of their own."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split: int = 128
+    merge_num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """block_m: queries per program; block_n: keys per loop step."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact products (no TF32); half types ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+    if device.type != "cuda":
+        return DecodeConfig(block_n=32, min_split=64)
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig()
+
+
+def extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
+    if device.type != "cuda":
+        return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    major, minor = torch.cuda.get_device_capability(device)
+    big_smem = major >= 9 or (major, minor) == (8, 0)
+    if dtype == torch.float32 or head_dim > 128 or not big_smem:
+        return ExtendConfig(block_m=64, block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small stand-in elsewhere (keeps interpreter grids small)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_kv_splits(
+    batch_size: int, num_kv_heads: int, max_kv_len: int, device: torch.device, max_splits: int,
+    waves: int = 8,
+) -> int:
+    """Splits per request so that stage 1 has about `waves` programs per SM.
+
+    Long requests in small batches get many splits; big batches get few, which keeps the
+    partial-result traffic (bs * heads * splits * v_dim floats) small next to the KV read. The
+    kernel still caps each request at ceil(kv_len / min_split) splits.
+    """
+    programs = max(batch_size * num_kv_heads, 1)
+    wanted = -(-waves * num_sms(device) // programs)
+    by_length = -(-max(max_kv_len, 1) // decode_config(0, device).min_split)
+    return max(1, min(wanted, by_length, max_splits))

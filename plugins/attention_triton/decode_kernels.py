@@ -1,0 +1,169 @@
+"""Split-KV decode attention over a page-size-1 KV pool.
+
+Stage 1, grid (batch, num_kv_heads, num_kv_splits): one program takes every query head of one
+KV-head group (padded to BLOCK_H >= 16 rows so the scores are one tl.dot) over one slice of the
+request's keys, read through req_to_token, and writes the slice's normalised partial output and
+its log-sum-exp. Stage 2, grid (batch, num_heads): merges the slices with log-sum-exp weights.
+
+The grid depends only on the batch size, the head counts and `num_kv_splits`, never on sequence
+lengths, so both launches can be captured in a CUDA graph. Inside the kernel a request uses
+min(num_kv_splits, ceil(kv_len / MIN_SPLIT)) slices of ceil(kv_len / slices) keys rounded up to
+BLOCK_N; the programs of unused slices do nothing and stage 2 skips them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import DecodeConfig, decode_config, dot_precision
+from .tile_ops import attend_tile
+
+
+@triton.jit
+def _split_geometry(seq_len, num_splits, window, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                    USE_WINDOW: tl.constexpr):
+    """First visible key position and the length of one split (a multiple of BLOCK_N)."""
+    lo = seq_len * 0
+    if USE_WINDOW:
+        # The query sits at seq_len - 1; keys at p > seq_len - 1 - window are visible.
+        lo = tl.maximum(seq_len - window, 0)
+    kv_len = seq_len - lo
+    used = tl.maximum(tl.minimum(num_splits, tl.cdiv(kv_len, MIN_SPLIT)), 1)
+    split_len = tl.cdiv(tl.cdiv(kv_len, used), BLOCK_N) * BLOCK_N
+    return lo, split_len
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
+    sm_scale, softcap, window, num_splits,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    lo, split_len = _split_geometry(seq_len, num_splits, window, BLOCK_N, MIN_SPLIT, USE_WINDOW)
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if end > start:
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kv_head * GROUP + offs_h
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_dv = offs_dv < V_DIM
+        # q: [BLOCK_H, BLOCK_D], the group's query heads (padding rows are zero)
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        row_ptr = Req_to_token + tl.load(Req_pool_indices + b).to(tl.int64) * stride_req
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(row_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+            # k_t: [BLOCK_D, BLOCK_N]; v: [BLOCK_N, BLOCK_DV]
+            k_t = tl.load(K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                          mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            v = tl.load(V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            acc, l_i, m_i = attend_tile(q, k_t, v, mask_n[None, :], acc, l_i, m_i, sm_scale, softcap,
+                                        USE_SOFTCAP, True, DOT_PRECISION)
+        # Every row saw at least one key, so l_i > 0.
+        mid = Mid_o + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
+        tl.store(mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        tl.store(Mid_lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Mid_o, Mid_lse, O, Seq_lens, window, num_splits,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    lo, split_len = _split_geometry(seq_len, num_splits, window, BLOCK_N, MIN_SPLIT, USE_WINDOW)
+    offs_s = tl.arange(0, BLOCK_S)
+    used = (offs_s < num_splits) & (lo + offs_s * split_len < seq_len)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_DIM
+    lse = tl.load(Mid_lse + b * stride_lb + head * stride_lh + offs_s, mask=used, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    # part: [BLOCK_S, BLOCK_DV], each split's normalised output
+    part = tl.load(Mid_o + b * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_dv[None, :],
+                   mask=used[:, None] & mask_dv[None, :], other=0.0)
+    out = tl.sum(part * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(O + b * stride_ob + head * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=mask_dv)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scaling: float,
+    num_kv_splits: int,
+    softcap: float = 0.0,
+    window: int = 0,
+    attn_logits: torch.Tensor | None = None,
+    attn_lse: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per request over all its cached keys; writes and returns `o`.
+
+    q: [bs, num_heads, head_dim]; o: [bs, num_heads, v_dim] (q's dtype)
+    k_buffer: [num_slots + 1, num_kv_heads, head_dim]; v_buffer: [num_slots + 1, num_kv_heads, v_dim]
+    req_to_token: [rows, max_context_len] int32, the slot of each position of each request
+    req_pool_indices: [bs] int, the request's row; seq_lens: [bs] int, keys per request (the new
+      token included, its K/V already in the pool)
+    softcap: 0 for none; window: keys at p > seq_len - 1 - window are visible, 0 for no window
+    attn_logits: [>= bs, num_heads, >= num_kv_splits, v_dim] fp32 and attn_lse: [>= bs, num_heads,
+      >= num_kv_splits] fp32, scratch buffers (allocated here when None; pass fixed ones for graphs)
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[2]
+    assert q.stride(2) == k_buffer.stride(2) == v_buffer.stride(2) == 1, "head_dim must be contiguous"
+    cfg = config or decode_config(head_dim, q.device)
+    if attn_logits is None:
+        attn_logits = torch.empty((bs, num_heads, num_kv_splits, v_dim), dtype=torch.float32, device=q.device)
+    if attn_lse is None:
+        attn_lse = torch.empty((bs, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    assert attn_logits.shape[2] >= num_kv_splits and attn_lse.shape[2] >= num_kv_splits, "scratch too small"
+    group = num_heads // num_kv_heads
+    block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
+    use_window = window > 0
+    _decode_split_kernel[(bs, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse,
+        scaling, softcap, window, num_kv_splits,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
+        attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
+        USE_SOFTCAP=softcap > 0, USE_WINDOW=use_window, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_merge_kernel[(bs, num_heads)](
+        attn_logits, attn_lse, o, seq_lens, window, num_kv_splits,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), attn_lse.stride(0),
+        attn_lse.stride(1), o.stride(0), o.stride(1),
+        V_DIM=v_dim, BLOCK_DV=block_dv, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, USE_WINDOW=use_window,
+        num_warps=cfg.merge_num_warps,
+    )
+    return o

@@ -1,0 +1,113 @@
+"""Static buffers for CUDA graphs: bound at capture, refreshed in place before every replay.
+
+A decode graph of batch size bs reads req_pool_indices[:bs], seq_lens[:bs] and a view of the
+shared split scratch; its split count is fixed at capture from bs alone (the kernel lowers it per
+request from the sequence length on the device). A TARGET_VERIFY graph reads a fixed qo_indptr
+(tokens_per_request apart), prefix lengths derived from seq_lens at replay, and, when captured
+with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from backplane.batch import ForwardBatch, ForwardMode
+
+from .metadata import DecodeMetadata, ExtendMetadata, exclusive_cumsum, mask_row_counts, prefix_lengths
+
+
+class GraphBuffers:
+    """Every tensor a captured graph of this backend reads, plus the metadata of each graph key."""
+
+    def __init__(self, max_bs: int, max_num_tokens: int, num_heads: int, v_dim: int,
+                 max_context_len: int, splits_for_bs: Callable[[int], int], device: torch.device):
+        self.max_bs, self.max_num_tokens, self.max_context_len = max_bs, max_num_tokens, max_context_len
+        self.num_heads, self.v_dim, self.splits_for_bs = num_heads, v_dim, splits_for_bs
+        self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=device)
+        self.custom_mask: torch.Tensor | None = None  # allocated by the first verify capture with a mask
+        rows = max(bs * splits_for_bs(bs) for bs in range(1, max_bs + 1))
+        # Split partials, shared by every decode graph (graphs never run concurrently).
+        self.attn_logits = torch.empty(rows * num_heads * v_dim, dtype=torch.float32, device=device)
+        self.attn_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        self.metadata: dict[Any, DecodeMetadata | ExtendMetadata] = {}
+
+    def capture(self, key: Any, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
+        bs = batch.batch_size
+        if bs > self.max_bs:
+            raise ValueError(f"triton attention graph: expected batch size <= {self.max_bs}, got {bs}")
+        if batch.forward_mode is ForwardMode.DECODE:
+            meta = self._decode_metadata(bs)
+        elif batch.forward_mode is ForwardMode.TARGET_VERIFY:
+            meta = self._verify_metadata(batch)
+        else:
+            raise ValueError(
+                f"triton attention graph: expected mode decode or target_verify, got {batch.forward_mode.value}"
+            )
+        self.metadata[key] = meta
+        self.refresh(key, batch)
+        return meta
+
+    def refresh(self, key: Any, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
+        meta = self.metadata[key]
+        bs = batch.batch_size
+        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        if isinstance(meta, DecodeMetadata):
+            self.seq_lens[:bs].copy_(batch.seq_lens)
+            return meta
+        per_request = meta.max_q_len
+        self.prefix_lens[:bs].copy_(prefix_lengths(batch.seq_lens, per_request))
+        if meta.custom_mask is not None:
+            self._refresh_mask(batch, per_request)
+        elif batch.custom_mask is not None:
+            raise ValueError("triton attention graph: captured without a custom mask, replayed with one")
+        return meta
+
+    def _decode_metadata(self, bs: int) -> DecodeMetadata:
+        splits = self.splits_for_bs(bs)
+        n = bs * self.num_heads * splits
+        return DecodeMetadata(
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            num_kv_splits=splits,
+            attn_logits=self.attn_logits[: n * self.v_dim].view(bs, self.num_heads, splits, self.v_dim),
+            attn_lse=self.attn_lse[:n].view(bs, self.num_heads, splits),
+        )
+
+    def _verify_metadata(self, batch: ForwardBatch) -> ExtendMetadata:
+        bs, per_request = batch.batch_size, batch.tokens_per_request
+        counts = torch.full((bs,), per_request, dtype=torch.int32, device=self.qo_indptr.device)
+        self.qo_indptr[: bs + 1].copy_(exclusive_cumsum(counts, torch.int32))
+        meta = ExtendMetadata(
+            req_pool_indices=self.req_pool_indices[:bs],
+            qo_indptr=self.qo_indptr[: bs + 1],
+            prefix_lens=self.prefix_lens[:bs],
+            max_q_len=per_request,
+        )
+        if batch.custom_mask is not None:
+            if self.custom_mask is None:
+                size = self.max_num_tokens * self.max_context_len
+                self.custom_mask = torch.zeros(size, dtype=torch.bool, device=self.qo_indptr.device)
+            meta.custom_mask = self.custom_mask
+            meta.mask_indptr = self.mask_indptr[: bs + 1]
+        return meta
+
+    def _refresh_mask(self, batch: ForwardBatch, per_request: int) -> None:
+        if batch.custom_mask is None:
+            raise ValueError("triton attention graph: captured with a custom mask, replayed without one")
+        n = batch.custom_mask.numel()
+        if n > self.custom_mask.numel():
+            raise ValueError(
+                f"triton attention graph: expected a custom mask of at most {self.custom_mask.numel()} "
+                f"entries (max_num_tokens * max_context_len), got {n}"
+            )
+        bs = batch.batch_size
+        self.custom_mask[:n].copy_(batch.custom_mask)
+        counts = torch.full((bs,), per_request, dtype=torch.int32, device=self.mask_indptr.device)
+        rows = mask_row_counts(self.prefix_lens[:bs], counts)
+        self.mask_indptr[1 : bs + 1].copy_(torch.cumsum(rows, 0))

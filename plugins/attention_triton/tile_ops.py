@@ -1,0 +1,62 @@
+"""Triton device functions shared by the decode and extend kernels.
+
+Scores are kept in log2 units (scaled by log2(e)) so the online softmax can use exp2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp; exp overflow gives 1 and underflow gives -1, so no NaN at either end."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def scores_log2(qk, sm_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """Raw q.k products -> scaled (and soft-capped) scores in log2 units."""
+    if USE_SOFTCAP:
+        s = (softcap * LOG2E) * tanh(qk * (sm_scale / softcap))
+    else:
+        s = qk * (sm_scale * LOG2E)
+    return s
+
+
+@triton.jit
+def attend_tile(
+    q,
+    k_t,
+    v,
+    visible,
+    acc,
+    l_i,
+    m_i,
+    sm_scale,
+    softcap,
+    USE_SOFTCAP: tl.constexpr,
+    APPLY_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over a tile of keys.
+
+    q: [M, D]; k_t: [D, N]; v: [N, DV]; visible: bool broadcastable to [M, N] (read only when
+    APPLY_MASK); acc: [M, DV] fp32 (unnormalised); l_i, m_i: [M] fp32 running sum and max (log2).
+    Rows that have seen no visible key keep m_i = -inf, l_i = 0 and acc = 0.
+    """
+    qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    s = scores_log2(qk, sm_scale, softcap, USE_SOFTCAP)
+    if APPLY_MASK:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # NOTE: a row with nothing visible yet has m_new = -inf; subtracting 0 instead keeps exp2 at 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new

@@ -1,0 +1,164 @@
+"""TritonLoraBackend: the LoraBackend contract on the segmented-GEMM kernels of kernels.py.
+
+prepare_batch plans tiles on the host (plan.py) into fixed buffers; each product is one kernel
+launch whose grid depends only on tensor shapes and the tile height chosen for the graph key, so
+the same code path serves eager runs, graph capture and replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from backplane.lora.base import LoraBackend, LoraBackendContext, host_offsets
+from backplane.lora.batch_info import LoraBatchInfo
+from backplane.plugins.lora_triton import kernels
+from backplane.plugins.lora_triton.plan import TilePlan, max_tiles
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Overrides of the launch heuristics (None: automatic). For benchmarks and tests."""
+
+    block_m: int | None = None
+    shrink_block_k: int | None = None
+    shrink_split_k: int | None = None
+    expand_block_n: int | None = None
+
+
+def choose_block_m(num_tokens: int) -> int:
+    """Tokens per tile: small for decode (a few tokens per adapter), larger for prefill."""
+    if num_tokens <= 128:
+        return 16
+    return 32 if num_tokens <= 1024 else 64
+
+
+def _pow2_between(value: int, low: int, high: int) -> int:
+    return max(low, min(high, triton.next_power_of_2(value)))
+
+
+class TritonLoraBackend(LoraBackend):
+    """Segmented multi-adapter LoRA in Triton. The shrink returns float32 [T, num_slices * R_max]."""
+
+    def __init__(self, ctx: LoraBackendContext, tuning: Tuning | None = None) -> None:
+        super().__init__(ctx)
+        self.tuning = tuning or Tuning()
+        self._plan = TilePlan(ctx.device, max(ctx.max_num_tokens, 1), ctx.num_slots)
+        self._graph_block_m: dict[Any, int] = {}
+        self._has_graph_state = False
+
+    # ---- planning -------------------------------------------------------------------------
+    def prepare_batch(self, batch_info: LoraBatchInfo) -> None:
+        self._bind(batch_info, self.tuning.block_m or choose_block_m(batch_info.num_tokens))
+
+    def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        num_slots = max(self.ctx.num_slots, self._plan.num_slots)
+        if not self._plan.fits(max_num_tokens, num_slots):
+            self._plan = TilePlan(self.ctx.device, max_num_tokens, num_slots)
+        self._has_graph_state = True  # from now on the plan buffers never move
+
+    def init_metadata_for_capture(self, key: Any, batch_info: LoraBatchInfo) -> None:
+        block_m = self.tuning.block_m or choose_block_m(batch_info.num_tokens)
+        self._graph_block_m[key] = block_m
+        self._bind(batch_info, block_m)
+
+    def init_metadata_for_replay(self, key: Any, batch_info: LoraBatchInfo) -> None:
+        if key not in self._graph_block_m:
+            raise KeyError(f"TritonLoraBackend: graph {key!r} was never captured (call init_metadata_for_capture)")
+        self._bind(batch_info, self._graph_block_m[key])
+
+    def _bind(self, info: LoraBatchInfo, block_m: int) -> None:
+        if not self._plan.fits(info.num_tokens, info.num_slots):
+            if self._has_graph_state:
+                raise ValueError(
+                    f"TritonLoraBackend: expected at most {self._plan.max_tokens} tokens and "
+                    f"{self._plan.num_slots} slots (init_graph_state), got {info.num_tokens} and {info.num_slots}"
+                )
+            tokens = max(info.num_tokens, self._plan.max_tokens)
+            self._plan = TilePlan(self.ctx.device, tokens, max(info.num_slots, self._plan.num_slots))
+        self._plan.update_(info, block_m)
+        self.batch_info = info
+
+    # ---- products -------------------------------------------------------------------------
+    def lora_a(self, x: torch.Tensor, a_weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
+        info, num_tiles = self._launch_bounds(x)
+        num_tokens, k = x.shape
+        n_out = a_weights.shape[1]
+        if a_weights.shape[2] != k or n_out % num_slices:
+            raise ValueError(
+                f"lora_a: expected a_weights [num_slots, num_slices({num_slices}) * R_max, K={k}], "
+                f"got {list(a_weights.shape)}"
+            )
+        r_max = n_out // num_slices
+        block_k, split_k = self._shrink_k_blocks(num_tokens, k)
+        alloc = torch.zeros if split_k > 1 else torch.empty  # split-K partial sums are atomic adds
+        y = alloc(num_tokens, n_out, dtype=torch.float32, device=x.device)  # y: [T, num_slices * R_max]
+        kernels.shrink(
+            x, a_weights, y, self._plan.tiles, self._plan.perm, info.ranks, num_tiles, r_max,
+            block_m=self._plan.block_m, block_n=_pow2_between(r_max, 16, 64), block_k=block_k,
+            split_k=split_k,
+        )  # fmt: skip
+        return y
+
+    def lora_b(self, x: torch.Tensor, b_weights: torch.Tensor, base_output: torch.Tensor) -> torch.Tensor:
+        return self._expand(x, b_weights, base_output, (0, b_weights.shape[1]))
+
+    def qkv_lora_b(
+        self,
+        x: torch.Tensor,
+        qkv_b_weights: torch.Tensor,
+        output_offsets: Sequence[int] | torch.Tensor,
+        base_output: torch.Tensor,
+    ) -> torch.Tensor:
+        offsets = host_offsets(output_offsets, num_slices=3, width=qkv_b_weights.shape[1])
+        return self._expand(x, qkv_b_weights, base_output, offsets)
+
+    def gate_up_lora_b(
+        self, x: torch.Tensor, gate_up_b_weights: torch.Tensor, base_output: torch.Tensor
+    ) -> torch.Tensor:
+        n_inter = gate_up_b_weights.shape[1] // 2
+        return self._expand(x, gate_up_b_weights, base_output, (0, n_inter, 2 * n_inter))
+
+    def _expand(
+        self, x: torch.Tensor, b_weights: torch.Tensor, base_output: torch.Tensor, offsets: tuple[int, ...]
+    ) -> torch.Tensor:
+        info, num_tiles = self._launch_bounds(x)
+        num_slices, r_max = len(offsets) - 1, b_weights.shape[2]
+        width = offsets[-1]
+        if x.shape[1] != num_slices * r_max or b_weights.shape[1] != width or base_output.shape != (x.shape[0], width):
+            raise ValueError(
+                f"lora_b: expected x [T, {num_slices} * R_max], b_weights [num_slots, N={width}, R_max] and "
+                f"base_output [T, N], got {list(x.shape)}, {list(b_weights.shape)}, {list(base_output.shape)}"
+            )
+        num_tokens = x.shape[0]
+        block_n = self.tuning.expand_block_n or (64 if num_tokens <= 256 else 128)
+        kernels.expand(
+            x, b_weights, base_output, self._plan.tiles, self._plan.perm, info.ranks, info.scalings,
+            num_tiles, offsets, block_m=self._plan.block_m, block_n=block_n,
+            block_k=_pow2_between(r_max, 16, 64),
+        )  # fmt: skip
+        return base_output
+
+    def _launch_bounds(self, x: torch.Tensor) -> tuple[LoraBatchInfo, int]:
+        """The batch info and the tile grid size for x [T, *]: it depends on T and the graph key only."""
+        info = self.batch_info
+        if info is None:
+            raise RuntimeError("TritonLoraBackend: call prepare_batch(batch_info) before the products")
+        num_tokens = x.shape[0]
+        if not info.num_tokens <= num_tokens <= self._plan.max_tokens:
+            raise ValueError(
+                f"TritonLoraBackend: expected x with between {info.num_tokens} (the batch's tokens) and "
+                f"{self._plan.max_tokens} rows, got {num_tokens}"
+            )
+        return info, max_tiles(num_tokens, info.num_slots, self._plan.block_m)
+
+    def _shrink_k_blocks(self, num_tokens: int, k: int) -> tuple[int, int]:
+        """(BLOCK_K, SPLIT_K): decode-sized batches split K so that enough programs stream A."""
+        small = num_tokens <= 256
+        block_k = self.tuning.shrink_block_k or _pow2_between(k, 16, 256 if small else 128)
+        split_k = self.tuning.shrink_split_k or (max(1, min(16, k // 512)) if small else 1)
+        return block_k, split_k

@@ -1,0 +1,83 @@
+"""Shared test setup: the `gpu` marker skips without CUDA; fixture plugin packages install for real."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True)
+
+
+class InstalledPackages:
+    """pip-installs fixture distributions into the test environment and removes them afterwards."""
+
+    def __init__(self):
+        self.installed: list[str] = []
+
+    def install(self, folder: str, dist: str) -> None:
+        _pip("install", "--no-deps", "--no-build-isolation", "--no-index", str(FIXTURES / folder))
+        self.installed.append(dist)
+        importlib.invalidate_caches()
+
+    def uninstall(self, dist: str) -> None:
+        _pip("uninstall", "-y", dist)
+        self.installed.remove(dist)
+        for name in [m for m in sys.modules if m.startswith(dist.replace("-", "_"))]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+
+    def cleanup(self) -> None:
+        for dist in list(self.installed):
+            self.uninstall(dist)
+
+
+@pytest.fixture(scope="session")
+def fixture_packages():
+    packages = InstalledPackages()
+    yield packages
+    packages.cleanup()
+
+
+@pytest.fixture(scope="session")
+def example_plugin(fixture_packages):
+    """The third-party plugin package `backplane-example-plugin`, installed with pip."""
+    fixture_packages.install("example_plugin", "backplane-example-plugin")
+    return "example"
+
+
+@pytest.fixture(scope="module")
+def bad_plugins(fixture_packages):
+    """`backplane-bad-plugins`: four broken plugins; tests pick one with BACKPLANE_PLUGINS.
+
+    Uninstalled again after the module, so no other test sees them."""
+    fixture_packages.install("bad_plugins", "backplane-bad-plugins")
+    yield ("bad_import", "bad_register", "duplicate", "misspelt")
+    fixture_packages.uninstall("backplane-bad-plugins")
+
+
+@pytest.fixture
+def no_bad_plugins(monkeypatch):
+    """Load only the bundled plugins (and the example plugin) regardless of what is installed."""
+    monkeypatch.setenv(
+        "BACKPLANE_PLUGINS",
+        "attention_triton,attention_flashinfer,lora_triton,spec_eagle,spec_ngram,example",
+    )

@@ -1,0 +1,152 @@
+"""Shared test helpers: tiny random Hugging Face models and hand-built ForwardBatches over real pools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backplane.batch import ForwardBatch, ForwardMode
+from backplane.memory import ReqToTokenPool, TokenToKVPool
+
+# Tiny shapes shared by every architecture; vocab 300 holds the byte tokenizer's ids.
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def tiny_hf_config(architecture: str, **overrides):
+    """A small transformers config for `architecture` with the variant's distinguishing feature on."""
+    import transformers
+
+    shape = {**TINY_SHAPE}
+    if architecture == "LlamaForCausalLM":
+        cls = transformers.LlamaConfig
+        shape.update(rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    elif architecture == "MistralForCausalLM":
+        cls = transformers.MistralConfig
+        shape.update(sliding_window=8)
+    elif architecture == "Qwen2ForCausalLM":
+        cls = transformers.Qwen2Config
+        shape.pop("head_dim")
+    elif architecture == "Qwen3ForCausalLM":
+        cls = transformers.Qwen3Config
+    else:
+        raise ValueError(f"no tiny config for {architecture!r}")
+    shape.update(overrides)
+    return cls(architectures=[architecture], **shape)
+
+
+def make_hf_model(config, seed: int = 0):
+    """The transformers model for `config` (fp32, eager attention, eval) with every weight random.
+
+    Norm weights are 1 + noise and biases nonzero, so a missed weight or bias changes the logits.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation of `prompt`; returns (prompt + steps new tokens, fp32 logits of every position).
+
+    logits: [len(prompt) + steps, vocab]; row t is the distribution of token t + 1.
+    """
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return ids, logits
+
+
+@dataclass
+class BatchBuilder:
+    """Owns a request pool and a KV pool and writes ForwardBatches the way a scheduler would.
+
+    Requests are numbered 0, 1, ... in the order of `add_request`; each remembers its row and how
+    many of its tokens are in the KV cache.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_requests: int = 8
+    max_context_len: int = 256
+    num_slots: int = 2048
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    rows: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.req_pool = ReqToTokenPool(self.max_requests, self.max_context_len, self.device)
+        self.kv_pool = TokenToKVPool(self.num_slots, self.num_layers, self.num_kv_heads, self.head_dim,
+                                     self.dtype, self.device)
+
+    @classmethod
+    def for_model(cls, model, **kwargs) -> BatchBuilder:
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, **kwargs)
+
+    def add_request(self) -> int:
+        self.rows.append(self.req_pool.alloc())
+        self.cached.append(0)
+        return len(self.rows) - 1
+
+    def extend(self, reqs: list[int], tokens: list[list[int]], mode=ForwardMode.EXTEND, **extra) -> ForwardBatch:
+        """New tokens for each request of `reqs` after its cached prefix (EXTEND-like modes)."""
+        prefix = [self.cached[r] for r in reqs]
+        batch = self._build(mode, reqs, tokens, **extra)
+        lens = [len(t) for t in tokens]
+        batch.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=self.device)
+        batch.extend_seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        batch.extend_prefix_lens_cpu = torch.tensor(prefix, dtype=torch.int32)
+        batch.extend_seq_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        return batch
+
+    def decode(self, reqs: list[int], tokens: list[int], **extra) -> ForwardBatch:
+        """One new token per request."""
+        return self._build(ForwardMode.DECODE, reqs, [[t] for t in tokens], **extra)
+
+    def _build(self, mode: ForwardMode, reqs: list[int], tokens: list[list[int]], **extra) -> ForwardBatch:
+        positions, locs = [], []
+        for r, new in zip(reqs, tokens):
+            start, row = self.cached[r], self.rows[r]
+            slots = self.kv_pool.alloc(len(new))
+            self.req_pool.req_to_token[row, start : start + len(new)] = slots.to(torch.int32)
+            positions += range(start, start + len(new))
+            locs.append(slots)
+            self.cached[r] += len(new)
+        seq_lens = [self.cached[r] for r in reqs]
+        dev = self.device
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            input_ids=torch.tensor([t for new in tokens for t in new], dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor([self.rows[r] for r in reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+            out_cache_loc=torch.cat(locs).to(dev),
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            **extra,
+        )
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|."""
+    return float((actual - expected).abs().max() / expected.abs().max())
