@@ -34,8 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump), raised to `main` for exit code 2."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def build_parser(plugin_set: PluginSet) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="backplane", description="An LLM model executor whose every backend is a plugin."
     )
     sub = parser.add_subparsers(dest="command", metavar="{plugins,generate,bench}")

@@ -12,6 +12,14 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_configure(config):
+    import torch
+
+    # The CPU tests run tiny models, for which one thread is far faster than several contending.
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -38,7 +38,7 @@ def tiny_hf_config(architecture: str, **overrides):
     else:
         raise ValueError(f"no tiny config for {architecture!r}")
     shape.update(overrides)
-    return cls(architectures=[architecture], **shape)
+    return cls(**{"architectures": [architecture], **shape})
 
 
 def make_hf_model(config, seed: int = 0):

@@ -35,7 +35,8 @@ class Batch:
 
 # slot 2 appears twice, apart; slot 0 (base only) in the middle; lengths 1, 3, 17, 33
 BATCH = Batch(seg_lens=[1, 3, 17, 33, 2, 5], slots=[2, 0, 1, 3, 2, 1])
-OTHER_BATCH = Batch(seg_lens=[33, 1, 17, 3], slots=[1, 3, 3, 0])
+# all MAX_SEGMENTS segments in use, the last one with an adapter
+OTHER_BATCH = Batch(seg_lens=[33, 1, 2, 3, 1, 4, 3, 1], slots=[1, 3, 3, 0, 2, 1, 2, 3])
 NUM_ROWS = 64  # > any batch's tokens: trailing rows are not covered by a segment
 
 
@@ -53,6 +54,8 @@ def make_info(batch: Batch = BATCH) -> LoraBatchInfo:
 def make_backend(name: str, **kwargs):
     if name == "torch_native":
         return TorchNativeLoraBackend(make_ctx(), **kwargs)
+    if name == "torch_native_graph":  # the slot-loop path used inside CUDA graph captures
+        return TorchNativeLoraBackend(make_ctx(), graph_safe=True)
     from backplane.plugins.lora_triton.backend import TritonLoraBackend, Tuning
 
     return TritonLoraBackend(make_ctx(), Tuning(**kwargs))
@@ -90,7 +93,7 @@ def assert_close(actual, expected, dtype):
     torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol)
 
 
-BACKENDS = ["torch_native", "triton"]
+BACKENDS = ["torch_native", "torch_native_graph", "triton"]
 DTYPES = [torch.float32, torch.float16]
 
 
@@ -189,8 +192,7 @@ def test_graph_metadata_replay_path(backend_name):
     k, n = 64, 48
     x, a, b = torch.randn(NUM_ROWS, k), weights(R_MAX, k, torch.float32), weights(n, R_MAX, torch.float32)
     base = torch.randn(NUM_ROWS, n)
-    kwargs = {"graph_safe": True} if backend_name == "torch_native" else {}
-    backend, info = make_backend(backend_name, **kwargs), make_info(BATCH)
+    backend, info = make_backend(backend_name), make_info(BATCH)
     backend.init_graph_state(MAX_SEGMENTS, NUM_ROWS)
     backend.init_metadata_for_capture("decode-64", info)
     backend.lora_b(backend.lora_a(x, a), b, base.clone())

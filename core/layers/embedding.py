@@ -34,9 +34,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         """loaded_weight: the full [num_embeddings, embedding_dim] table; this rank keeps its rows."""
-        if loaded_weight.shape[0] != self.num_embeddings:
-            raise ValueError(f"{type(self).__name__}: expected {self.num_embeddings} rows, got "
-                             f"{tuple(loaded_weight.shape)}")
+        full = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded_weight.shape) != full:
+            raise ValueError(f"{type(self).__name__}: expected shape {full}, got {tuple(loaded_weight.shape)}")
         end = min(self.vocab_start + param.shape[0], self.num_embeddings)
         rows = loaded_weight[self.vocab_start : end]
         with torch.no_grad():

@@ -95,7 +95,7 @@ class FlashInferAttnBackend(AttentionBackend):
         _check_layer(layer, self.dims)
         config = LayerConfig.of(layer)
         if config not in self._plan.runners:
-            if torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"flashinfer attention: layer {layer.layer_id} has a configuration {config} first seen while "
                     "a CUDA graph is being captured; run one eager forward pass (warm-up) before capturing"

@@ -63,7 +63,7 @@ def _shrink_kernel(
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc, mask=mask)
     else:
-        tl.store(y_ptrs, acc, mask=mask)
+        tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
 @triton.jit
