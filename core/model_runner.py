@@ -97,7 +97,58 @@ class ModelRunner:
         self.req_to_token_pool, self.token_to_kv_pool = self._init_pools()
         self.attn_backend, self.attn_choices = self._init_attention()
         self.model_ctx.attn_backend = self.attn_backend
+        self.graph_contributors: list[Any] = []  # components adding graph-key extras (LoRA, ...)
         self.graph_runner = None
+        self.graph_mode_limits: list[Any] = []
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    @property
+    def seq_len_fill_value(self) -> int:
+        return self.attn_choices["decode"].spec.seq_len_fill_value
+
+    def tokens_per_request(self, mode: ForwardMode) -> int:
+        if mode is ForwardMode.TARGET_VERIFY:
+            return self.args.speculative_num_draft_tokens
+        return 1
+
+    def graph_participants(self) -> list[Any]:
+        from backplane.graph_sizes import GraphParticipant
+
+        decode, verify = self.attn_choices["decode"], self.attn_choices["prefill"]
+        parts = [GraphParticipant(decode.plugin, f"attention backend {decode.spec.name!r}",
+                                  decode.spec.graph_modes, serves=("decode",)),
+                 GraphParticipant(verify.plugin, f"attention backend {verify.spec.name!r}",
+                                  verify.spec.graph_modes, serves=("target_verify",))]
+        return parts + [c.graph_participant() for c in self.graph_contributors]
+
+    def graph_key_extras(self, batch: ForwardBatch) -> tuple:
+        return tuple(item for c in self.graph_contributors for item in c.graph_key_extras(batch))
+
+    def prepare_graph_batch(self, batch: ForwardBatch, key: Any, real: ForwardBatch | None = None) -> None:
+        """Let contributors bind their per-batch state (LoRA segments, ...) for capture or replay."""
+        for c in self.graph_contributors:
+            c.prepare_graph_batch(batch, key, real)
+
+    def init_cuda_graphs(self) -> None:
+        """Capture graphs for the configured combination, or say why decode stays eager."""
+        from backplane.graph_runner import GraphRunner
+        from backplane.graph_sizes import capturable_modes
+
+        if self.args.disable_cuda_graph:
+            return
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
+            return
+        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
+        modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
+        for limit in self.graph_mode_limits:
+            logger.warning(limit.message())
+        if not modes:
+            return
+        variants = _product([c.graph_variants() for c in self.graph_contributors])
+        self.graph_runner = GraphRunner(self, [ForwardMode(m) for m in modes], variants)
+        self.graph_runner.capture()
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -188,6 +239,9 @@ class ModelRunner:
         """One forward pass: through a captured graph when the graph runner can, else eagerly."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        return self.forward_eager(batch)
+
+    def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch)
 
@@ -199,3 +253,11 @@ class ModelRunner:
             "custom_ops": dict(self.model_ctx.ops.chosen),
             "device": str(self.device), "dtype": dtype_name(self.dtype),
         }
+
+
+def _product(variant_lists: list[list[tuple]]) -> list[tuple]:
+    """Every combination of the contributors' graph-key extras (one tuple of items each)."""
+    combos: list[tuple] = [()]
+    for variants in variant_lists:
+        combos = [c + v for c in combos for v in variants]
+    return combos

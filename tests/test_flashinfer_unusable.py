@@ -510,3 +510,17 @@ def test_layer_with_other_heads_is_rejected(fake_flashinfer):
     backend.init_forward_metadata(batch)
     with pytest.raises(ValueError, match=r"expected \(num_heads, num_kv_heads, head_dim\) \(4, 2, 16\)"):
         backend.forward(torch.randn(1, 8, 16), *new_kv[0], AttentionLayerInfo(0, 8, 2, 16, 0.25), batch)
+
+
+def test_merge_of_two_key_sets_equals_attention_over_both():
+    """The torch merge path (used when FlashInfer's merge kernel cannot launch that many heads)."""
+    from backplane.plugins.attention_flashinfer.wrappers import merge_attention
+
+    torch.manual_seed(7)
+    q = torch.randn(5, 128, 64)  # 128 heads x 16 threads > 1024: the torch path
+    keys, values = torch.randn(37, 8, 64), torch.randn(37, 8, 64)
+    o_a, lse_a = _fake_attention(q, keys[:30], values[:30], False, None, -1, 0.0, 0.125)
+    o_b, lse_b = _fake_attention(q, keys[30:], values[30:], True, None, -1, 0.0, 0.125)
+    expected, _ = _fake_attention(q, keys, values, True, None, -1, 0.0, 0.125)
+    torch.testing.assert_close(merge_attention(o_a, lse_a, o_b, lse_b), expected, atol=1e-5, rtol=1e-5)
+    assert "flashinfer" not in sys.modules

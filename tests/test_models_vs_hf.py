@@ -2,7 +2,9 @@
 
 Each model is saved by transformers as safetensors, loaded back through our loader, and run with
 the torch_native backend over real pools: a mixed prefill (one request split into two chunks, so
-the second extends a cached prefix), then greedy decode steps fed with transformers' tokens.
+the second extends a cached prefix), then greedy decode steps. One causal transformers forward
+per finished sequence gives the reference logits at every position, and its argmax must pick the
+same greedy tokens as ours.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers_models import BatchBuilder, hf_greedy, make_hf_model, relative_error, tiny_hf_config
+from helpers_models import BatchBuilder, make_hf_model, relative_error, tiny_hf_config
 
 from backplane.attention.torch_native import TorchNativeAttnBackend
 from backplane.models import builtin as models_builtin
@@ -30,10 +32,10 @@ def registered_models() -> dict:
     return specs
 
 
-def load_ours(path):
+def load_ours(path, dtype=torch.float32, device="cpu"):
     """Build our model for the directory `path` the way the model runner does."""
     config = load_hf_config(path)
-    ctx = ModelContext(dtype=torch.float32, device="cpu")
+    ctx = ModelContext(dtype=dtype, device=device)
     model = get_model_spec(registered_models(), config).factory(config, ctx)
     model.load_weights(iterate_safetensors(path))
     ctx.attn_backend = TorchNativeAttnBackend(None)
@@ -56,30 +58,41 @@ def saved(request, tmp_path_factory):
 
 
 @torch.no_grad()
-def run_prefill_then_decode(model, prompts, sequences, steps):
-    """Yield (step name, our logits, the row of each request in HF's logits) for every forward."""
+def run_greedy(model, prompts, steps):
+    """Prefill, then `steps` greedy decode steps, all requests in one batch.
+
+    Returns (full token sequences, per forward: (name, logits, the position each row predicts from)).
+    """
     builder = BatchBuilder.for_model(model)
     reqs = [builder.add_request() for _ in prompts]
+    sequences = [list(p) for p in prompts]
     long = prompts[2]
-    out = model(builder.extend(reqs, [prompts[0], prompts[1], long[:12]]))
-    yield "prefill", out.logits, [len(prompts[0]) - 1, len(prompts[1]) - 1, 11]
-    out = model(builder.extend([reqs[2]], [long[12:]]))
-    yield "prefill chunk 2", out.logits, [None, None, len(long) - 1]
+    first = model(builder.extend(reqs, [prompts[0], prompts[1], long[:12]])).logits
+    second = model(builder.extend([reqs[2]], [long[12:]])).logits
+    records = [("prefill", first, [len(prompts[0]) - 1, len(prompts[1]) - 1, 11]),
+               ("prefill chunk 2", second, [None, None, len(long) - 1])]
+    last = torch.stack([first[0], first[1], second[0]])
     for step in range(steps):
-        tokens = [seq[len(p) + step] for seq, p in zip(sequences, prompts)]
-        out = model(builder.decode(reqs, tokens))
-        yield f"decode {step}", out.logits, [len(p) + step for p in prompts]
+        for seq, token in zip(sequences, last.argmax(dim=-1).tolist()):
+            seq.append(token)
+        last = model(builder.decode(reqs, [seq[-1] for seq in sequences])).logits
+        records.append((f"decode {step}", last, [len(seq) - 1 for seq in sequences]))
+    return sequences, records
 
 
 def test_logits_match_transformers(saved):
+    """Every forward's logits match transformers' on the same tokens, and greedy picks agree."""
     architecture, hf, path = saved
     model = load_ours(path)
     assert type(model).__name__ == architecture
     prompts = random_prompts(1, hf.config.vocab_size)
-    greedy = [hf_greedy(hf, p, DECODE_STEPS) for p in prompts]
-    sequences = [ids for ids, _ in greedy]
-    for name, logits, rows in run_prefill_then_decode(model, prompts, sequences, DECODE_STEPS):
-        expected = torch.stack([greedy[i][1][row] for i, row in enumerate(rows) if row is not None])
+    sequences, records = run_greedy(model, prompts, DECODE_STEPS)
+    with torch.no_grad():  # one causal forward per request gives transformers' logits at every position
+        hf_logits = [hf(torch.tensor([seq])).logits[0].float() for seq in sequences]
+    for seq, prompt, logits in zip(sequences, prompts, hf_logits):
+        assert seq[len(prompt):] == logits[len(prompt) - 1 : -1].argmax(dim=-1).tolist(), "greedy tokens differ"
+    for name, logits, rows in records:
+        expected = torch.stack([hf_logits[i][row] for i, row in enumerate(rows) if row is not None])
         assert logits.dtype == torch.float32 and logits.shape == expected.shape, name
         err = relative_error(logits, expected)
         assert err < TOLERANCE, f"{architecture} {name}: relative error {err:.2e}"
@@ -136,3 +149,24 @@ def test_sharded_checkpoint_with_tied_embeddings(tmp_path):
         logits = model(builder.extend([builder.add_request() for _ in prompts], prompts)).logits
         expected = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
     assert relative_error(logits, expected) < TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_llama_on_cuda_matches_transformers_on_cpu(tmp_path, dtype, tolerance):
+    config = tiny_hf_config("LlamaForCausalLM")
+    hf = make_hf_model(config, seed=5)
+    hf.save_pretrained(tmp_path)
+    model = load_ours(tmp_path, dtype=dtype, device="cuda")
+    prompts = random_prompts(6, config.vocab_size)
+    builder = BatchBuilder.for_model(model, dtype=dtype, device="cuda")
+    reqs = [builder.add_request() for _ in prompts]
+    with torch.no_grad():
+        prefill = model(builder.extend(reqs, prompts)).logits
+        decode = model(builder.decode(reqs, [5, 6, 7])).logits
+        expected_prefill = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+        expected_decode = torch.stack([hf(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(prompts, [5, 6, 7])])
+    assert prefill.dtype == torch.float32 and prefill.device.type == "cuda"
+    assert relative_error(prefill.cpu(), expected_prefill) < tolerance
+    assert relative_error(decode.cpu(), expected_decode) < tolerance

@@ -227,3 +227,25 @@ def test_native_table():
     assert all(getattr(ops, op) is NATIVE_OPS[op] for op in OP_NAMES)
     assert ops.chosen == {op: "native" for op in OP_NAMES}
     assert resolve_custom_ops([], "cpu", {}) == ops  # nothing registered: native
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_ops_on_cuda_match_cpu(dtype, tol):
+    x, res, w = randn(17, 96, dtype=dtype), randn(17, 96, dtype=dtype), randn(96, dtype=dtype)
+    positions, q, k = torch.tensor([0, 5, 300]), randn(3, 4, 64, dtype=dtype), randn(3, 2, 64, dtype=dtype)
+    cache = build_cos_sin_cache(64, 512, 10000.0)
+    cases = {
+        "rms_norm": (rms_norm, (x, w, 1e-6)),
+        "fused_add_rms_norm": (fused_add_rms_norm, (x, res, w, 1e-6)),
+        "silu_and_mul": (silu_and_mul, (x,)),
+        "gelu_and_mul": (gelu_and_mul, (x, "tanh")),
+        "rotary_embedding": (rotary_embedding, (positions, q, k, cache, True)),
+    }
+    for name, (fn, args) in cases.items():
+        on_cpu = fn(*args)
+        on_gpu = fn(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args])
+        for c, g in zip(on_cpu if isinstance(on_cpu, tuple) else (on_cpu,), on_gpu if isinstance(on_gpu, tuple) else (on_gpu,)):
+            assert g.device.type == "cuda" and g.dtype == dtype, name
+            torch.testing.assert_close(g.cpu().float(), c.float(), rtol=tol, atol=tol, msg=name)

@@ -35,6 +35,7 @@ class Engine:
         self.args = server_args or build_server_args(kwargs, self.plugin_set.settings_groups(), plugin_options)
         self.plugin_set.configure(self.args)
         self.runner = ModelRunner(self.args, self.plugin_set)
+        self.runner.init_cuda_graphs()
         self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size))
         self.scheduler = Scheduler(
             self.runner, max_running=self.args.max_running_requests or self.runner.req_to_token_pool.size - 1,

@@ -1,0 +1,1 @@
+"""Building blocks of the models: tensor-parallel linear layers, embeddings, norms, rotary, attention, logits."""

@@ -1,0 +1,1 @@
+"""Model classes (the Llama family), checkpoint loading, dummy-weight presets and the byte tokenizer."""

@@ -20,7 +20,9 @@ def rope_settings(config) -> tuple[float, dict[str, Any] | None, float]:
     """
     params = getattr(config, "rope_parameters", None)
     if params and "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"rope_parameters: per-layer-type rope is not supported by the Llama family, got {params}")
+        raise ValueError(
+            f"rope_parameters: expected one rope for all layers in the Llama family, got {params}"
+        )
     scaling = params or getattr(config, "rope_scaling", None)
     theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     partial = (params or {}).get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0

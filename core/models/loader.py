@@ -34,7 +34,9 @@ def safetensors_files(path: str | os.PathLike) -> list[str]:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (ValueError, KeyError) as e:
-            raise ValueError(f"safetensors index {index!r} is corrupt: expected JSON with a 'weight_map', {e}") from e
+            raise ValueError(
+                f"safetensors index {index!r} is corrupt: expected JSON with a 'weight_map' ({e})"
+            ) from e
         files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
     elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
         files = [os.path.join(path, SINGLE_FILE)]

@@ -39,7 +39,9 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, hf_name: str)
         loader(param, tensor, shard_id)
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+def load_named_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+) -> set[str]:
     """Load (hf_name, full tensor) pairs into `model`; returns the names of the parameters loaded.
 
     Tied embeddings: a checkpoint `lm_head.weight` is skipped (the embedding is used). strict:
@@ -85,7 +87,8 @@ def llama_checkpoint_shapes(config, qkv_bias: bool, qk_norm: bool) -> list[tuple
             shapes.append((f"{p}self_attn.o_proj.bias", (hidden,)))
         if qk_norm:
             shapes += [(f"{p}self_attn.q_norm.weight", (head_dim,)), (f"{p}self_attn.k_norm.weight", (head_dim,))]
-        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        mlp = (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))
+        for proj, shape in mlp:
             shapes.append((f"{p}mlp.{proj}.weight", shape))
             if mlp_bias:
                 shapes.append((f"{p}mlp.{proj}.bias", shape[:1]))

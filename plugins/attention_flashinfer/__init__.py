@@ -7,6 +7,7 @@ import) and CUDA are touched when a backend is built or an op first runs, never 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from backplane.hookspecs import hookimpl
 from backplane.plugins.attention_flashinfer.options import FlashInferOptions
@@ -23,7 +24,7 @@ def _available() -> str | None:
 
     if not torch.cuda.is_available():
         return "CUDA is not available on this machine"
-    if importlib.util.find_spec("flashinfer") is None:
+    if "flashinfer" not in sys.modules and importlib.util.find_spec("flashinfer") is None:
         return f"flashinfer is not installed ({INSTALL_HINT})"
     return None
 

@@ -4,6 +4,10 @@ One wrapper holds one plan, so there is one per (role, layer config): the roles 
 wrapper, the ragged prefill wrapper, and three paged prefill wrappers ("prefix" non-causal over the
 cached prefix, "paged" causal over all keys, "masked" with a custom mask; kept apart because a
 paged wrapper resolves its kernel family at its first plan, and FA3 has no custom mask).
+
+Paged and decode wrappers are pinned to FlashInfer's "fa2" kernels (custom masks, empty prefixes
+and CUDA-graph re-planning all work there, and "auto" could pick cuDNN for decode on SM100); the
+ragged wrapper keeps "auto" (FA3 on Hopper), which is where prefill time goes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from backplane.plugins.attention_flashinfer.geometry import (
 )
 
 KV_LAYOUT = "NHD"  # the pool is [slots, heads, dim]; one slot = one page of one token
+PAGED_BACKEND = "fa2"
+MAX_THREADS_PER_BLOCK = 1024
 PREFIX = "prefix"
 ROUTE_ROLES = {DECODE: (DECODE,), RAGGED: (RAGGED,), RAGGED_PREFIX: (RAGGED, PREFIX), PAGED: (PAGED,), MASKED: (MASKED,)}
 
@@ -92,13 +98,13 @@ class WrapperCache:
         if role == DECODE:
             kwargs = graph.decode_kwargs() if graph else {}
             return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, KV_LAYOUT, use_tensor_cores=self.use_tensor_cores, **kwargs
+                self.workspace, KV_LAYOUT, use_tensor_cores=self.use_tensor_cores, backend=PAGED_BACKEND, **kwargs
             )
         if role == RAGGED:
             assert graph is None, "ragged prefill is never captured"
             return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, KV_LAYOUT)
         kwargs = graph.prefill_kwargs(masked=role == MASKED) if graph else {}
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, KV_LAYOUT, **kwargs)
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, KV_LAYOUT, backend=PAGED_BACKEND, **kwargs)
 
 
 def plan(wrapper: Any, role: str, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> None:
@@ -145,13 +151,28 @@ class LayerRunner:
         if self.route == RAGGED:
             return self.wrappers[0].run(q, _like(k, kv_cache), _like(v, kv_cache))
         if self.route == RAGGED_PREFIX:
-            import flashinfer
-
             ragged, prefix = self.wrappers
             o_new, lse_new = ragged.run(q, _like(k, kv_cache), _like(v, kv_cache), return_lse=True)
             o_old, lse_old = prefix.run(q, kv_cache, return_lse=True)
-            return flashinfer.merge_state(o_new, lse_new, o_old, lse_old)[0]
+            return merge_attention(o_new, lse_new, o_old, lse_old)
         return self.wrappers[0].run(q, kv_cache)
+
+
+def merge_attention(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
+    """Attention over key sets A and B from the parts: o_*: [T, H, D]; lse_*: [T, H] fp32, base 2.
+
+    FlashInfer's merge kernel puts all heads of a token in one thread block of
+    (head_dim / vec_size) x num_heads threads, so many heads fall back to plain torch.
+    """
+    num_tokens, num_heads, head_dim = o_a.shape
+    vec_size = max(16 // o_a.element_size(), head_dim // 32)
+    if num_tokens > 0 and num_heads * (head_dim // vec_size) <= MAX_THREADS_PER_BLOCK:
+        import flashinfer
+
+        return flashinfer.merge_state(o_a, lse_a, o_b, lse_b)[0]
+    lse = torch.logaddexp2(lse_a, lse_b)
+    weight_a, weight_b = torch.exp2(lse_a - lse)[..., None], torch.exp2(lse_b - lse)[..., None]
+    return (o_a.float() * weight_a + o_b.float() * weight_b).to(o_a.dtype)
 
 
 def _like(x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -25,7 +25,7 @@ pytestmark = [
 ]
 
 MAX_CONTEXT = 1024
-TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=6e-3, rtol=6e-3)}
 
 
 # -- batches over a KV pool with shuffled slots ----------------------------------------------------
@@ -35,6 +35,7 @@ TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3
 class Pools:
     kv: TokenToKVPool
     req: ReqToTokenPool
+    allocated: torch.Tensor | None = None  # the slots of the latest batch, freed by the next one
 
 
 def make_pools(num_slots, num_kv_heads, head_dim, dtype, num_layers=2) -> Pools:
@@ -48,8 +49,10 @@ def make_pools(num_slots, num_kv_heads, head_dim, dtype, num_layers=2) -> Pools:
 def make_batch(pools: Pools, mode, seq_lens, new_lens, mask=False) -> ForwardBatch:
     """A batch whose prefixes are cached; its new tokens' slots are in out_cache_loc and req_to_token."""
     bs, total = len(seq_lens), sum(seq_lens)
-    pools.kv.free(torch.arange(1, pools.kv.num_slots + 1)[~pools.kv._is_free[1:]])  # reuse the pool
-    slots = pools.kv.alloc(total)[torch.randperm(total, device="cuda")]
+    if pools.allocated is not None:
+        pools.kv.free(pools.allocated)
+    pools.allocated = pools.kv.alloc(total)
+    slots = pools.allocated[torch.randperm(total, device="cuda")]
     rows = torch.randperm(pools.req.size)[:bs]
     out_cache_loc, start = [], 0
     for row, seq_len, new in zip(rows.tolist(), seq_lens, new_lens):
@@ -108,9 +111,10 @@ def reference_attention(q, layer: AttentionLayerInfo, batch: ForwardBatch) -> to
     """Plain attention per request in fp32 over the pool (read after the new K/V were written)."""
     k_buf, v_buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     seq_lens = batch.seq_lens_cpu.tolist()
-    new_lens = [1] * batch.batch_size if batch.forward_mode.is_decode else [
-        batch.num_tokens // batch.batch_size] * batch.batch_size if batch.extend_seq_lens_cpu is None else (
-        batch.extend_seq_lens_cpu.tolist())
+    if batch.forward_mode.is_decode:
+        new_lens = [1] * batch.batch_size
+    else:
+        new_lens = batch.extend_seq_lens_cpu.tolist()
     out, q_start, mask_start = torch.empty_like(q), 0, 0
     group = layer.num_heads // layer.num_kv_heads
     for row, s, n in zip(batch.req_pool_indices.tolist(), seq_lens, new_lens):

@@ -1,0 +1,216 @@
+"""CUDA-graph capture and replay for whatever plugin combination is configured.
+
+At startup the runner asks the active plugins which modes they can run inside a graph, captures
+one graph per GraphKey (mode, padded batch size, tokens per request, plugin extras), largest batch
+first, all in the process's one graph memory pool, and afterwards replays them: copy the real
+batch into static buffers, pad to the next captured size (padded requests read slot 0 with the
+backend's seq_len fill value and write to the dump slot 0), refresh the backend's metadata in
+place, replay, slice the output back.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backplane.batch import ForwardBatch, ForwardMode
+from backplane.graph_sizes import GraphKey, capture_batch_sizes, padded_size
+from backplane.models.base import ModelOutput
+from backplane.ops.dispatch import CustomOps
+
+logger = logging.getLogger(__name__)
+
+_GRAPH_POOL = None  # NOTE: one pool per process by design (shared by target and draft runners)
+
+
+def global_graph_pool():
+    """The process-wide CUDA graph memory pool every runner captures into."""
+    global _GRAPH_POOL
+    if _GRAPH_POOL is None:
+        _GRAPH_POOL = torch.cuda.graph_pool_handle()
+    return _GRAPH_POOL
+
+
+class GraphCaptureError(RuntimeError):
+    pass
+
+
+@dataclass
+class StaticInputs:
+    """The buffers captured graphs read; replay copies each real batch into them."""
+
+    input_ids: torch.Tensor  # [max_tokens]
+    positions: torch.Tensor  # [max_tokens]
+    out_cache_loc: torch.Tensor  # [max_tokens]
+    req_pool_indices: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+
+    @classmethod
+    def allocate(cls, max_bs: int, max_tokens: int, device) -> StaticInputs:
+        def zeros(n, dtype=torch.int64):
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens), zeros(max_bs), zeros(max_bs, torch.int32))
+
+
+def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int, fill: int) -> ForwardBatch:
+    """Copy `batch` into the static buffers padded to `key`, and return the padded batch view.
+
+    Padded requests use request row `pad_row` (all zeros: slot 0), seq_len `fill`, and write their
+    K/V to the dump slot 0.
+    """
+    bs, n = batch.batch_size, batch.num_tokens
+    pbs, pn = key.batch_size, key.num_tokens
+    static.input_ids[:n].copy_(batch.input_ids)
+    static.positions[:n].copy_(batch.positions)
+    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
+    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+    static.seq_lens[:bs].copy_(batch.seq_lens)
+    if pbs > bs:
+        static.input_ids[n:pn].zero_()
+        static.positions[n:pn].zero_()
+        static.out_cache_loc[n:pn].zero_()
+        static.req_pool_indices[bs:pbs].fill_(pad_row)
+        static.seq_lens[bs:pbs].fill_(fill)
+    pad = torch.full((pbs - bs,), fill, dtype=torch.int32)
+    return _view(static, key, batch, torch.cat([batch.seq_lens_cpu.to(torch.int32), pad]))
+
+
+def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
+    pbs, pn = key.batch_size, key.num_tokens
+    view = ForwardBatch(
+        forward_mode=key.mode, batch_size=pbs, input_ids=static.input_ids[:pn],
+        positions=static.positions[:pn], req_pool_indices=static.req_pool_indices[:pbs],
+        seq_lens=static.seq_lens[:pbs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=static.out_cache_loc[:pn],
+        req_to_token_pool=like.req_to_token_pool, token_to_kv_pool=like.token_to_kv_pool,
+        spec_info=like.spec_info, lora_info=like.lora_info, graph_key=key,
+    )
+    return view
+
+
+class GraphRunner:
+    """Captures and replays decode graphs for one model runner."""
+
+    def __init__(self, runner: Any, modes: list[ForwardMode], extras_variants: list[tuple] | None = None):
+        self.runner = runner
+        self.model = runner.model
+        self.backend = runner.attn_backend
+        self.fill = runner.seq_len_fill_value
+        self.pad_row = runner.req_to_token_pool.size - 1
+        self.sizes, self.compile_sizes = capture_batch_sizes(runner.args, self.pad_row)
+        self.modes = modes
+        self.tokens_per_request = {m: runner.tokens_per_request(m) for m in modes}
+        self.extras_variants = extras_variants or [()]
+        max_bs = max(self.sizes)
+        max_tokens = max_bs * max(self.tokens_per_request.values())
+        self.static = StaticInputs.allocate(max_bs, max_tokens, runner.device)
+        self.backend.init_graph_state(max_bs, max_tokens)
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, ModelOutput] = {}
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+
+    def keys(self) -> list[GraphKey]:
+        return [GraphKey(mode, bs, self.tokens_per_request[mode], extras)
+                for mode in self.modes for extras in self.extras_variants for bs in reversed(self.sizes)]
+
+    # -- capture --------------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        from tqdm import tqdm
+
+        keys = self.keys()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        for key in tqdm(keys, desc="capturing CUDA graphs", leave=False, disable=not sys.stderr.isatty()):
+            try:
+                self._capture_one(key)
+            except Exception as exc:
+                raise GraphCaptureError(self._failure_message(key, exc)) from exc
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MB",
+                    len(keys), self.sizes, self.capture_seconds, self.graph_memory_bytes / 2**20)
+
+    def _capture_batch(self, key: GraphKey) -> ForwardBatch:
+        self.static.req_pool_indices[: key.batch_size].fill_(self.pad_row)
+        self.static.seq_lens[: key.batch_size].fill_(self.fill)
+        self.static.out_cache_loc[: key.num_tokens].zero_()
+        seq_lens_cpu = torch.full((key.batch_size,), self.fill, dtype=torch.int32)
+        like = ForwardBatch(key.mode, key.batch_size, self.static.input_ids, self.static.positions,
+                            self.static.req_pool_indices, self.static.seq_lens, seq_lens_cpu,
+                            self.static.out_cache_loc, self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
+        self.runner.prepare_graph_batch(like, key)
+        return _view(self.static, key, like, seq_lens_cpu)
+
+    def _capture_one(self, key: GraphKey) -> None:
+        batch = self._capture_batch(key)
+        self.backend.init_metadata_for_capture(key, batch)
+        forward = self._forward_fn(key)
+        for _ in range(2):  # warm up: allocator, autotuning, lazy initialisation
+            forward(batch)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=global_graph_pool()):
+            output = forward(batch)
+        torch.cuda.synchronize()
+        self.graphs[key], self.outputs[key] = graph, output
+
+    def _forward_fn(self, key: GraphKey):
+        if key.batch_size not in self.compile_sizes:
+            return self.model
+        compiled = torch.compile(self.model, dynamic=False)
+
+        def run(batch):
+            ops, self.runner.model_ctx.ops = self.runner.model_ctx.ops, CustomOps.native()
+            try:  # custom ops are native inside compiled regions
+                return compiled(batch)
+            finally:
+                self.runner.model_ctx.ops = ops
+
+        return run
+
+    def _failure_message(self, key: GraphKey, exc: Exception) -> str:
+        choice = self.runner.attn_choices["decode"]
+        args = self.runner.args
+        remedies = [f"lower --cuda-graph-max-bs (now {args.cuda_graph_max_bs})",
+                    f"lower --mem-fraction-static (now {args.mem_fraction_static})", "--disable-cuda-graph"]
+        if args.enable_torch_compile:
+            remedies.append("drop --enable-torch-compile")
+        return (f"CUDA graph capture failed at batch size {key.batch_size} ({key.mode.value}, attention "
+                f"backend {choice.spec.name!r} of plugin {choice.plugin!r}): {type(exc).__name__}: {exc}. "
+                f"Remedies: {'; '.join(remedies)}")
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def key_for(self, batch: ForwardBatch) -> GraphKey | None:
+        if batch.forward_mode not in self.modes:
+            return None
+        tpr = self.tokens_per_request[batch.forward_mode]
+        if batch.num_tokens != batch.batch_size * tpr:
+            return None
+        bs = padded_size(batch.batch_size, self.sizes)
+        if bs is None:
+            return None
+        key = GraphKey(batch.forward_mode, bs, tpr, self.runner.graph_key_extras(batch))
+        return key if key in self.graphs else None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.key_for(batch) is not None
+
+    def replay(self, batch: ForwardBatch) -> ModelOutput:
+        key = self.key_for(batch)
+        padded = pad_into(self.static, batch, key, self.pad_row, self.fill)
+        self.runner.prepare_graph_batch(padded, key, real=batch)
+        self.backend.init_metadata_for_replay(key, padded)
+        self.graphs[key].replay()
+        out = self.outputs[key]
+        n = batch.num_tokens
+        hidden = out.hidden_states[:n] if out.hidden_states is not None else None
+        return ModelOutput(logits=out.logits[:n], hidden_states=hidden)
