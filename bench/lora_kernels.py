@@ -164,7 +164,8 @@ def summarize(rows: list[Row]) -> dict:
     """Per layout and tuning: the per-layer LoRA total and its ratio to the base GEMMs."""
     layers = {}
     for row in rows:
-        entry = layers.setdefault((row.layout, row.tuning), {"lora_us": 0.0, "floor_us": 0.0, "base_gemm_us": 0.0})
+        empty = {"lora_us": 0.0, "floor_us": 0.0, "base_gemm_us": 0.0}
+        entry = layers.setdefault((row.layout, row.tuning), empty)
         entry["lora_us"] += row.lora_us
         entry["floor_us"] += row.floor_us
         entry["base_gemm_us"] += row.base_gemm_us
@@ -183,7 +184,10 @@ def print_table(result: dict) -> None:
             f"{row['floor_us']:9.2f} {row['base_gemm_us']:8.2f}"
         )
     print(f"\nper layer ({NUM_LAYERS} layers):")
-    print(f"{'layout':<12} {'tuning':<18} {'lora us':>8} {'floor us':>9} {'base us':>8} {'lora/base':>9} {'16 layers ms':>12}")
+    print(
+        f"{'layout':<12} {'tuning':<18} {'lora us':>8} {'floor us':>9} {'base us':>8} {'lora/base':>9} "
+        f"{'16 layers ms':>12}"
+    )
     for entry in result["per_layer"]:
         print(
             f"{entry['layout']:<12} {entry['tuning']:<18} {entry['lora_us']:8.2f} {entry['floor_us']:9.2f} "

@@ -225,6 +225,7 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             max_context_len=self.req_to_token_pool.max_context_len,
             options=self.args.options_for(group) if group else None, server_args=self.args,
+            layers=list(self.layer_infos),
         )
         return choice.spec.factory(ctx)
 

@@ -112,7 +112,7 @@ def _select(registry: Registry, kind: str, name: str, check, flag: str, req) -> 
     plugin = registry.provenance(kind, name).plugin
     if reasons:
         hint = specs[name].install_hint
-        usable = [n for n, s in specs.items() if not check(s)]
+        usable = sorted(n for n, s in specs.items() if not check(s))
         raise SelectionError(
             f"{flag} {name} (plugin {plugin!r}) cannot run here: {'; '.join(reasons)}."
             + (f" To fix: {hint}." if hint and specs[name].available() else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import types
@@ -62,11 +63,8 @@ def test_import_and_registration_touch_neither_flashinfer_nor_cuda(tmp_path):
     # A `flashinfer` on the path that fails loudly if anything imports it.
     (tmp_path / "flashinfer").mkdir()
     (tmp_path / "flashinfer" / "__init__.py").write_text("raise ImportError('flashinfer was imported')\n")
-    env_path = f"{tmp_path}{':' + sys.path[0] if sys.path[0] else ''}"
-    result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, env={"PYTHONPATH": env_path,
-                                                                                    "PATH": ""}, timeout=120
-    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() in ("None", "CUDA is not available on this machine")
 

@@ -170,6 +170,17 @@ def test_triton_equals_torch_native(dtype, tuning):
     assert_close(actual, expected, dtype)
 
 
+def test_split_k_locks_rearm_between_launches():
+    k = 96
+    x, a = torch.randn(NUM_ROWS, k), weights(3 * R_MAX, k, torch.float32)
+    backend = make_backend("triton", shrink_split_k=3, shrink_block_k=16)
+    backend.prepare_batch(make_info())
+    expected = ref_shrink(x, a, BATCH, 3)[:61]
+    for _ in range(2):  # the second launch finds the locks the first one used
+        assert_close(backend.lora_a(x, a, 3)[:61], expected, torch.float32)
+        assert not backend._plan.locks.any()
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_update_in_place_equals_fresh(backend_name):
     k, offsets = 64, (0, 48, 64, 80)
@@ -219,7 +230,8 @@ def test_tile_plan_groups_tokens_by_slot():
     rng = random.Random(0)
     for _ in range(200):
         num_segments = rng.randint(1, MAX_SEGMENTS)
-        batch = Batch([rng.randint(0, 40) for _ in range(num_segments)], [rng.randrange(NUM_SLOTS) for _ in range(num_segments)])
+        seg_lens = [rng.randint(0, 40) for _ in range(num_segments)]
+        batch = Batch(seg_lens, [rng.randrange(NUM_SLOTS) for _ in range(num_segments)])
         block_m = rng.choice([16, 32, 64])
         tiles, perm = plan_tiles(make_info(batch), block_m)
         num_tokens = sum(batch.seg_lens)

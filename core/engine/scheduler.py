@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner, max_running: int, chunk_size: int, eos_token_ids: set[int],
-                 detokenize: Callable[[list[int]], str], seed: int = 0):
+                 detokenize: Callable[[list[int]], str], seed: int = 0,
+                 participants: list[Any] | None = None, spec_worker: Any = None):
         self.runner = runner
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.token_to_kv_pool
@@ -38,7 +39,12 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.shared_generator = torch.Generator(runner.device).manual_seed(seed)
-        self.hooks = runner.extra_batch_hooks if hasattr(runner, "extra_batch_hooks") else []
+        # Components that take part in scheduling (the LoRA manager): each may refuse to admit a
+        # request next to the running ones (`can_admit(req, running)`), and binds its per-batch
+        # state before every forward (`prepare_batch(batch, reqs)`).
+        self.participants = participants or []
+        # A speculative-decoding worker replaces the plain decode step (`decode(reqs, sample_fn)`).
+        self.spec_worker = spec_worker
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -90,7 +96,7 @@ class Scheduler:
                 break
             remaining = len(req.all_ids) - req.num_cached - (1 if req.output_ids else 0)
             n = min(remaining, budget)
-            if n > free:
+            if n > free or (is_new and not self._admissible(req, reqs)):
                 break
             reqs.append(req)
             chunks.append(n)
@@ -104,6 +110,15 @@ class Scheduler:
                 req.row = self.req_pool.alloc()
                 self.running.append(req)
         return reqs, chunks
+
+    def _admissible(self, req: Req, chosen: list[Req]) -> bool:
+        batch_mates = self.running + [r for r in chosen if r.row is None]
+        return all(p.can_admit(req, batch_mates) for p in self.participants)
+
+    def _prepare(self, batch: ForwardBatch, reqs: list[Req]) -> ForwardBatch:
+        for p in self.participants:
+            p.prepare_batch(batch, reqs)
+        return batch
 
     def _schedule_decode(self) -> list[Req]:
         ready = [r for r in self.running if not r.needs_prefill]
@@ -129,7 +144,7 @@ class Scheduler:
     # -- running batches ------------------------------------------------------------------------
 
     def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> list[Req]:
-        batch = build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool)
+        batch = self._prepare(build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool), reqs)
         completes = [req.num_cached + n == len(req.all_ids) for req, n in zip(reqs, chunks)]
         for req, n in zip(reqs, chunks):
             req.num_cached += n
@@ -139,19 +154,33 @@ class Scheduler:
         return self._sample_and_advance(done, logits.index_select(0, rows)) if done else []
 
     def _run_decode(self, reqs: list[Req]) -> list[Req]:
-        batch = build_decode_batch(reqs, self.kv_pool, self.req_pool)
+        if self.spec_worker is not None:
+            return self._advance(reqs, self.spec_worker.decode(reqs, self))
+        batch = self._prepare(build_decode_batch(reqs, self.kv_pool, self.req_pool), reqs)
         for req in reqs:
             req.num_cached += 1
         logits = self.runner.forward(batch).logits
         return self._sample_and_advance(reqs, logits)
 
-    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Next token and its log-probability for each request, from logits [len(reqs), vocab]."""
         tokens, logprobs = sample(logits, sampling_batch(reqs, logits.device), self.shared_generator)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
+        tokens, logprobs = self.sample(reqs, logits)
+        return self._advance(reqs, [([t], [lp]) for t, lp in zip(tokens, logprobs)])
+
+    def _advance(self, reqs: list[Req], new: list[tuple[list[int], list[float]]]) -> list[Req]:
+        """Append each request's new tokens (one, or several accepted drafts) until it stops."""
         finished = []
-        for req, token, logprob in zip(reqs, tokens.tolist(), logprobs.tolist()):
-            req.output_ids.append(token)
-            req.logprobs.append(logprob)
-            if check_stop(req, self.eos_token_ids, self.detokenize):
+        for req, (tokens, logprobs) in zip(reqs, new):
+            for token, logprob in zip(tokens, logprobs):
+                req.output_ids.append(token)
+                req.logprobs.append(logprob)
+                if check_stop(req, self.eos_token_ids, self.detokenize):
+                    break
+            if req.finished:
                 self._release(req)
                 self.running.remove(req)
                 finished.append(req)

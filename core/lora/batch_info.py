@@ -12,7 +12,7 @@ Host mirrors of the small vectors let backends plan on the host without a device
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,8 +47,8 @@ class LoraBatchInfo:
     weight_indices_cpu: torch.Tensor
     ranks_cpu: torch.Tensor
     scalings_cpu: torch.Tensor
-    _packed: torch.Tensor  # the device buffer that seg_lens, seg_indptr, weight_indices view
-    _staging: torch.Tensor  # its host twin, written then copied with one transfer
+    _packed: torch.Tensor = field(repr=False)  # the device buffer that seg_lens, seg_indptr, weight_indices view
+    _staging: torch.Tensor = field(repr=False)  # its host twin, written then copied with one transfer
 
     @classmethod
     def allocate(cls, max_segments: int, num_slots: int, device: torch.device | str) -> LoraBatchInfo:
@@ -186,6 +186,8 @@ def _host_int32(values: IntsLike, what: str) -> torch.Tensor:
     """A 1-D int32 CPU tensor from a list or tensor; a CUDA tensor is refused (it would synchronise)."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
-            raise ValueError(f"LoraBatchInfo: expected {what} on the host (list or CPU tensor), got {values.device}")
+            raise ValueError(
+                f"LoraBatchInfo: expected {what} on the host (list or CPU tensor), got {values.device}"
+            )
         return values.reshape(-1).to(torch.int32)
     return torch.tensor(list(values), dtype=torch.int32)

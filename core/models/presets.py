@@ -39,7 +39,8 @@ def _qwen(config_class: str, architecture: str, **kwargs):
 
 PRESETS: dict[str, Callable] = {
     "tiny-llama": lambda: _llama(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        # head dim 64: small enough for CPU tests, supported by every GPU attention backend
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5,
         rope_theta=10000.0, tie_word_embeddings=False,
     ),

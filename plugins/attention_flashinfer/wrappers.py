@@ -46,7 +46,7 @@ class Dims:
     kv_dtype: torch.dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GraphBinding:
     """The slices of GraphBuffers that the wrappers of one captured batch size own."""
 

@@ -17,7 +17,7 @@ import triton
 from backplane.lora.base import LoraBackend, LoraBackendContext, host_offsets
 from backplane.lora.batch_info import LoraBatchInfo
 from backplane.plugins.lora_triton import kernels
-from backplane.plugins.lora_triton.plan import TilePlan, max_tiles
+from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 
 
 @dataclass(frozen=True)
@@ -94,15 +94,15 @@ class TritonLoraBackend(LoraBackend):
                 f"got {list(a_weights.shape)}"
             )
         r_max = n_out // num_slices
+        block_n = _pow2_between(r_max, 16, 64)
         block_k, split_k = self._shrink_k_blocks(num_tokens, k)
-        alloc = torch.zeros if split_k > 1 else torch.empty  # split-K partial sums are atomic adds
-        y = alloc(num_tokens, n_out, dtype=torch.float32, device=x.device)  # y: [T, num_slices * R_max]
-        kernels.shrink(
-            x, a_weights, y, self._plan.tiles, self._plan.perm, info.ranks, num_tiles, r_max,
-            block_m=self._plan.block_m, block_n=_pow2_between(r_max, 16, 64), block_k=block_k,
-            split_k=split_k,
+        if triton.cdiv(n_out, block_n) > MAX_SHRINK_COL_BLOCKS:
+            split_k = 1  # more column blocks than split-K locks per tile
+        # y: [T, num_slices * R_max] float32
+        return kernels.shrink(
+            x, a_weights, self._plan.tiles, self._plan.perm, info.ranks, self._plan.locks, num_tiles,
+            r_max, block_m=self._plan.block_m, block_n=block_n, block_k=block_k, split_k=split_k,
         )  # fmt: skip
-        return y
 
     def lora_b(self, x: torch.Tensor, b_weights: torch.Tensor, base_output: torch.Tensor) -> torch.Tensor:
         return self._expand(x, b_weights, base_output, (0, b_weights.shape[1]))
@@ -129,7 +129,8 @@ class TritonLoraBackend(LoraBackend):
         info, num_tiles = self._launch_bounds(x)
         num_slices, r_max = len(offsets) - 1, b_weights.shape[2]
         width = offsets[-1]
-        if x.shape[1] != num_slices * r_max or b_weights.shape[1] != width or base_output.shape != (x.shape[0], width):
+        shapes_ok = x.shape[1] == num_slices * r_max and b_weights.shape[1] == width
+        if not shapes_ok or base_output.shape != (x.shape[0], width):
             raise ValueError(
                 f"lora_b: expected x [T, {num_slices} * R_max], b_weights [num_slots, N={width}, R_max] and "
                 f"base_output [T, N], got {list(x.shape)}, {list(b_weights.shape)}, {list(base_output.shape)}"

@@ -27,13 +27,14 @@ def _load_tile(tiles_ptr, perm_ptr, tile, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, y_ptr, tiles_ptr, perm_ptr, ranks_ptr,
+    x_ptr, a_ptr, y_ptr, ws_ptr, locks_ptr, tiles_ptr, perm_ptr, ranks_ptr,
     K, r_max, n_out, k_per_split,
-    stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ym, stride_yn, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # x: [T, K]; a: [num_slots, n_out, K] with n_out = num_slices * r_max; y: [T, n_out] float32
+    # ws: [SPLIT_K, T, n_out] float32 partial sums (y's strides); locks: [>= tiles * col blocks] int32, zero
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -58,12 +59,22 @@ def _shrink_kernel(
         x = tl.load(x_ptrs + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(a_ptrs + kk[:, None] * stride_ak, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    offs_y = rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = m_mask[:, None] & n_out_mask[None, :]
     if SPLIT_K == 1:
-        tl.store(y_ptrs, acc, mask=mask)
+        tl.store(y_ptr + offs_y, acc, mask=mask)
     else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+        # Serial split-K: every split stores its partial sum; the last to arrive adds them all up
+        # into y and re-arms the lock for the next launch (so y needs no zeroing kernel).
+        tl.store(ws_ptr + pid_k * stride_ws + offs_y, acc, mask=mask)
+        tl.debug_barrier()  # NOTE: all threads' stores happen before the release below
+        lock = locks_ptr + tile * tl.num_programs(1) + pid_n
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + split * stride_ws + offs_y, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offs_y, total, mask=mask)
+            tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
@@ -116,24 +127,31 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def shrink(
-    x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, tiles: torch.Tensor, perm: torch.Tensor,
-    ranks: torch.Tensor, num_tiles: int, r_max: int, *, block_m: int, block_n: int, block_k: int,
+    x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor, perm: torch.Tensor, ranks: torch.Tensor,
+    locks: torch.Tensor, num_tiles: int, r_max: int, *, block_m: int, block_n: int, block_k: int,
     split_k: int, num_warps: int = 4, num_stages: int = 3,
-) -> None:  # fmt: skip
-    """y[perm rows] (+)= x @ a[slot]^T per tile; y must be zeroed first when split_k > 1.
+) -> torch.Tensor:  # fmt: skip
+    """y[perm rows] = x @ a[slot]^T per tile, rank-masked; returns y [T, n_out] float32.
 
-    x: [T, K]; a: [num_slots, n_out, K]; y: [T, n_out] float32; tiles/perm: a TilePlan's buffers.
+    x: [T, K]; a: [num_slots, n_out, K]; tiles/perm: a TilePlan's buffers; locks: int32 zeros with
+    at least num_tiles * cdiv(n_out, block_n) entries, left zero again (used when split_k > 1).
+    NOTE: launches that share `locks` must not run concurrently (one stream).
     """
-    K, n_out = x.shape[1], a.shape[1]
+    (num_tokens, K), n_out = x.shape, a.shape[1]
+    num_col_blocks = triton.cdiv(n_out, block_n)
+    assert split_k == 1 or locks.numel() >= num_tiles * num_col_blocks, "shrink: locks buffer too small"
+    y = torch.empty(num_tokens, n_out, dtype=torch.float32, device=x.device)
+    ws = torch.empty(split_k, num_tokens, n_out, dtype=torch.float32, device=x.device) if split_k > 1 else y
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    grid = (num_tiles, triton.cdiv(n_out, block_n), split_k)
-    _shrink_kernel[grid](
-        x, a, y, tiles, perm, ranks,
+    _shrink_kernel[(num_tiles, num_col_blocks, split_k)](
+        x, a, y, ws, locks, tiles, perm, ranks,
         K, r_max, n_out, k_per_split,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
+        num_tokens * n_out,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         PRECISION=_precision(a.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    return y
 
 
 def expand(

@@ -19,6 +19,7 @@ import torch
 from backplane.lora.batch_info import LoraBatchInfo
 
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+MAX_SHRINK_COL_BLOCKS = 16  # split-K locks per tile; a shrink with more column blocks does not split
 
 
 def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -39,6 +40,8 @@ class TilePlan:
         self._buffer = torch.zeros(size, dtype=torch.int32, device=self.device)
         self.tiles = self._buffer[: 3 * self.max_tiles]  # [max_tiles * 3]
         self.perm = self._buffer[3 * self.max_tiles :]  # [max_tokens]
+        # the shrink kernel's split-K locks: always zero between launches
+        self.locks = torch.zeros(self.max_tiles * MAX_SHRINK_COL_BLOCKS, dtype=torch.int32, device=self.device)
         self.block_m = MIN_BLOCK_M
         self.num_tiles = 0
 
