@@ -145,6 +145,7 @@ EXTEND_CASES = [
     ([3, 0, 40], [70, 33, 5], 8, 8, 32, torch.float16, 20.0, 0, False),
     ([100, 0, 7], [40, 50, 1], 4, 1, 32, torch.float32, 0.0, 29, False),
     ([40, 0, 7], [4, 9, 6], 8, 2, 32, torch.float32, 0.0, 0, True),
+    ([20, 0], [130, 45], 2, 1, 32, torch.float32, 0.0, 40, False),  # window skips whole key blocks
     ([129, 1], [8, 16], 4, 1, 64, torch.float16, 10.0, 37, True),
     ([1] * 5 + [0] * 6 + [9] * 6, [3, 1, 7, 2, 5, 1, 4, 6, 8, 1, 2, 3, 9, 1, 2, 5, 4], 4, 1, 32,
      torch.float32, 0.0, 0, False),

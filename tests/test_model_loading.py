@@ -83,14 +83,16 @@ def test_unregistered_architecture_lists_registered():
 
 
 def test_unexpected_and_missing_weights_are_named():
-    model = build_model(LlamaForCausalLM, get_preset("tiny-llama"), ModelContext())
+    config = get_preset("tiny-llama")
+    model = build_model(LlamaForCausalLM, config, ModelContext())
     with pytest.raises(ValueError, match="'model.layers.0.mlp.fc9.weight' has no parameter"):
         model.load_weights([("model.layers.0.mlp.fc9.weight", torch.ones(1))])
     all_but_norm = [(n, w) for n, w in dummy_weights(model.checkpoint_shapes(), 0) if n != "model.norm.weight"]
     with pytest.raises(ValueError, match="has no weights for model.norm.weight$"):
         model.load_weights(all_but_norm)
-    with pytest.raises(ValueError, match=r"expected shape \(512, 64\), got \(511, 64\)"):
-        model.load_weights([("lm_head.weight", torch.ones(511, 64))], strict=False)
+    vocab, hidden = config.vocab_size, config.hidden_size
+    with pytest.raises(ValueError, match=rf"expected shape \({vocab}, {hidden}\), got \({vocab - 1}, {hidden}\)"):
+        model.load_weights([("lm_head.weight", torch.ones(vocab - 1, hidden))], strict=False)
 
 
 def test_unknown_preset_lists_presets():
@@ -121,7 +123,7 @@ def test_dummy_weights_deterministic_from_seed():
     assert all(torch.equal(a[name], b[name]) for name in a)
     matrices = [name for name in a if a[name].dim() == 2]
     assert all(not torch.equal(a[name], c[name]) for name in matrices)
-    assert torch.equal(a["model.norm.weight"], torch.ones(64))
+    assert torch.equal(a["model.norm.weight"], torch.ones(get_preset("tiny-llama").hidden_size))
     assert 0.015 < float(a["model.layers.0.mlp.gate_up_proj.weight"].std()) < 0.025
 
 
@@ -138,7 +140,7 @@ def test_tiny_preset_runs_with_byte_tokenizer():
     builder = BatchBuilder.for_model(model)
     with torch.no_grad():
         logits = model(builder.extend([builder.add_request() for _ in prompts], prompts)).logits
-    assert logits.shape == (2, 512) and torch.isfinite(logits).all()
+    assert logits.shape == (2, model.vocab_size) and torch.isfinite(logits).all()
 
 
 def test_byte_tokenizer_round_trip():
@@ -158,7 +160,8 @@ def test_tensor_parallel_shards_recombine(tp_size):
     """Each rank loads its slice of the full tensors; the slices rebuild the tp=1 weights."""
     from backplane.layers.parallel import ParallelContext
 
-    config = get_preset("tiny-llama")  # 4 heads, 2 KV heads: at tp 4 each KV head serves two ranks
+    config = get_preset("tiny-llama")
+    assert config.num_key_value_heads == 2  # at tp 4 each KV head serves two ranks
     full = dummy_model(9).state_dict()
     ranks = []
     for rank in range(tp_size):
@@ -167,10 +170,11 @@ def test_tensor_parallel_shards_recombine(tp_size):
         init_dummy_weights(model, 9)
         ranks.append(model.state_dict())
     assert model.num_kv_heads == max(1, 2 // tp_size)
-    p = "model.layers.1."
-    q, k, v = full[p + "self_attn.qkv_proj.weight"].split([64, 32, 32])
+    p, head_dim = "model.layers.1.", model.head_dim
+    q_size, kv_size = config.num_attention_heads * head_dim, 2 * head_dim
+    q, k, v = full[p + "self_attn.qkv_proj.weight"].split([q_size, kv_size, kv_size])
     qs = [r[p + "self_attn.qkv_proj.weight"] for r in ranks]
-    q_local, kv_local = 64 // tp_size, 16 * model.num_kv_heads
+    q_local, kv_local = q_size // tp_size, head_dim * model.num_kv_heads
     assert torch.equal(torch.cat([w[:q_local] for w in qs]), q)
     kv_group = max(1, tp_size // 2)  # ranks sharing one KV head
     ks = [w[q_local : q_local + kv_local] for w in qs][::kv_group]

@@ -1,0 +1,1 @@
+"""Conformance suites any backend plugin can run against the torch_native references."""

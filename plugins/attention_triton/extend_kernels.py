@@ -99,7 +99,7 @@ def _extend_kernel(
                 full_end = m_block * BLOCK_M
         k_new_ptr = K_new + kv_head * stride_knh + offs_d[:, None]
         v_new_ptr = V_new + kv_head * stride_vnh + offs_dv[None, :]
-        for start_n in range(0, full_end, BLOCK_N):
+        for start_n in range(lo_new, full_end, BLOCK_N):
             keys = (q_start + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_t = tl.load(k_new_ptr + keys[None, :] * stride_knt, mask=mask_d[:, None], other=0.0)
             v = tl.load(v_new_ptr + keys[:, None] * stride_vnt, mask=mask_dv[None, :], other=0.0)

@@ -1,0 +1,224 @@
+"""Attention-backend conformance: any registered backend against the torch_native reference.
+
+In a plugin's test suite:
+
+    from backplane.testing import attention_conformance
+    test_mine = attention_conformance.make_suite("mine")
+
+Each case builds real KV pools with random data at random slots, runs the backend and the
+reference on the same batch, and compares outputs and the K/V written into the pool. Cases the
+backend does not declare (a mode, a head dim, a window, a soft-cap, a custom mask) are left out;
+graph-replay cases run when the backend declares graph modes and CUDA is present.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import torch
+
+from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane.batch import ForwardBatch, ForwardMode
+from backplane.memory import ReqToTokenPool, TokenToKVPool
+
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance check. prefix/new: per-request cached and new token counts."""
+
+    name: str
+    mode: str
+    prefix: tuple[int, ...]
+    new: tuple[int, ...]
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    window: int = 0
+    softcap: float = 0.0
+    tree_mask: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def base_cases(small: bool) -> list[Case]:
+    """Odd sizes; `small` keeps lengths short (CPU, the Triton interpreter)."""
+    long = 67 if small else 1000
+    return [
+        Case("extend-no-prefix", "extend", (0, 0, 0), (1, 7, 29)),
+        Case("extend-with-prefix", "extend", (5, 0, 17), (3, 9, 1)),
+        Case("extend-long", "extend", (long - 20,), (20,)),
+        Case("decode-odd-batch", "decode", (0, 8, 32, 63, 129), (1, 1, 1, 1, 1)),
+        Case("decode-long", "decode", (long,), (1,)),
+        Case("decode-batch-17", "decode", tuple(range(1, 35, 2)), (1,) * 17),
+        Case("gqa-1", "decode", (4, 30, 9), (1, 1, 1), num_heads=4, num_kv_heads=4),
+        Case("gqa-8", "extend", (6, 0), (5, 11), num_heads=8, num_kv_heads=1),
+        Case("head-dim-128", "extend", (3, 12), (4, 2), num_heads=4, num_kv_heads=1, head_dim=128),
+        Case("head-dim-128-decode", "decode", (13, 40), (1, 1), num_heads=4, num_kv_heads=1, head_dim=128),
+        Case("verify-tree-mask", "target_verify", (6, 11, 1), (4, 4, 4), tree_mask=True),
+        Case("draft-extend", "draft_extend", (9, 3), (2, 2)),
+        Case("sliding-window-extend", "extend", (20, 3), (9, 14), window=8),
+        Case("sliding-window-decode", "decode", (30, 5, 70), (1, 1, 1), window=16),
+        Case("softcap-extend", "extend", (7, 0), (6, 13), softcap=5.0),
+        Case("softcap-decode", "decode", (25, 2), (1, 1), softcap=5.0),
+    ]
+
+
+def applicable(spec, case: Case, device: str) -> str | None:
+    """Why `case` does not apply to the backend described by `spec` (None when it does)."""
+    if device not in spec.platforms:
+        return f"backend does not run on {device}"
+    if case.mode not in spec.modes:
+        return f"mode {case.mode} not declared"
+    if spec.head_dims is not None and case.head_dim not in spec.head_dims:
+        return f"head dim {case.head_dim} not declared"
+    for needed, flag in ((case.window, "sliding_window"), (case.softcap, "logit_softcap"),
+                         (case.tree_mask, "custom_mask")):
+        if needed and not getattr(spec, flag):
+            return f"{flag} not declared"
+    return None
+
+
+class Harness:
+    """Real pools holding random prefixes at random slots, and batches over them."""
+
+    def __init__(self, case: Case, dtype: torch.dtype, device: str, seed: int, num_layers: int = 1):
+        self.case, self.dtype, self.device = case, dtype, torch.device(device)
+        self.gen = torch.Generator().manual_seed(seed)
+        total = sum(case.prefix) + sum(case.new)
+        max_ctx = max(p + n for p, n in zip(case.prefix, case.new)) + 1
+        self.req_pool = ReqToTokenPool(len(case.prefix) + 1, max_ctx, device)
+        self.kv_pool = TokenToKVPool(total + 16, num_layers, case.num_kv_heads, case.head_dim, dtype, device)
+        self.rng = random.Random(seed)
+        slots = list(range(1, total + 17))
+        self.rng.shuffle(slots)  # random slot order, never slot 0
+        self.free_slots = slots
+        self.rows = [self.req_pool.alloc() for _ in case.prefix]
+        for layer in range(num_layers):
+            for buf in (*self.kv_pool.get_kv_buffer(layer),):
+                buf.copy_(self.randn(*buf.shape))
+        for row, p in zip(self.rows, case.prefix):
+            self._place(row, 0, p)
+
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.device, self.dtype)
+
+    def _place(self, row: int, start: int, n: int) -> torch.Tensor:
+        slots = torch.tensor([self.free_slots.pop() for _ in range(n)], dtype=torch.int64)
+        self.req_pool.req_to_token[row, start:start + n] = slots.to(self.device, torch.int32)
+        return slots
+
+    def batch(self) -> ForwardBatch:
+        c = self.case
+        mode = ForwardMode(c.mode)
+        locs = [self._place(row, p, n) for row, p, n in zip(self.rows, c.prefix, c.new)]
+        seq = [p + n for p, n in zip(c.prefix, c.new)]
+        positions = [pos for p, n in zip(c.prefix, c.new) for pos in range(p, p + n)]
+        dev = self.device
+        batch = ForwardBatch(
+            forward_mode=mode, batch_size=len(seq), input_ids=torch.zeros(sum(c.new), dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, device=dev), req_pool_indices=torch.tensor(self.rows, device=dev),
+            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+            out_cache_loc=torch.cat(locs).to(dev), req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
+        )
+        if mode is not ForwardMode.DECODE:
+            batch.extend_prefix_lens_cpu = torch.tensor(c.prefix, dtype=torch.int32)
+            batch.extend_seq_lens_cpu = torch.tensor(c.new, dtype=torch.int32)
+            batch.extend_prefix_lens = batch.extend_prefix_lens_cpu.to(dev)
+            batch.extend_seq_lens = batch.extend_seq_lens_cpu.to(dev)
+        if c.tree_mask:
+            batch.custom_mask, batch.mask_indptr = self.tree_mask()
+        return batch
+
+    def tree_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A random draft tree per request: each node sees the prefix, itself and its ancestors."""
+        masks, indptr = [], [0]
+        for p, n in zip(self.case.prefix, self.case.new):
+            parent = [-1] + [self.rng.randrange(0, i) for i in range(1, n)]
+            m = torch.zeros(n, p + n, dtype=torch.bool)
+            m[:, :p] = True
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    m[i, p + j] = True
+                    j = parent[j]
+            masks.append(m.flatten())
+            indptr.append(indptr[-1] + m.numel())
+        return torch.cat(masks).to(self.device), torch.tensor(indptr, dtype=torch.int32, device=self.device)
+
+    def context(self, options=None) -> AttentionBackendContext:
+        c = self.case
+        return AttentionBackendContext(
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            num_layers=self.kv_pool.num_layers, dtype=self.dtype, device=self.device,
+            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
+            max_context_len=self.req_pool.max_context_len, options=options, layers=[self.layer()])
+
+    def layer(self) -> AttentionLayerInfo:
+        c = self.case
+        return AttentionLayerInfo(0, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
+                                  sliding_window=c.window, logit_softcap=c.softcap)
+
+
+def run_backend(backend: AttentionBackend, harness: Harness, batch: ForwardBatch, qkv) -> torch.Tensor:
+    backend.init_forward_metadata(batch)
+    return backend.forward(*qkv, harness.layer(), batch)
+
+
+def check_case(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0) -> None:
+    """Run `case` through the backend of `spec` and through torch_native; assert they agree."""
+    from backplane.attention.torch_native import TorchNativeAttnBackend
+
+    harness = Harness(case, dtype, device, seed)
+    batch = harness.batch()
+    n = batch.num_tokens
+    qkv = (harness.randn(n, case.num_heads, case.head_dim), harness.randn(n, case.num_kv_heads, case.head_dim),
+           harness.randn(n, case.num_kv_heads, case.head_dim))
+    k_before = [b.clone() for b in harness.kv_pool.get_kv_buffer(0)]
+    out = run_backend(spec.factory(harness.context()), harness, batch, qkv)
+    written = [b.clone() for b in harness.kv_pool.get_kv_buffer(0)]
+    for buf, before in zip(harness.kv_pool.get_kv_buffer(0), k_before):
+        buf.copy_(before)
+    expected = run_backend(TorchNativeAttnBackend(harness.context()), harness, batch, qkv)
+    tol = TOLERANCE[dtype]
+    assert out.shape == expected.shape, f"{case}: output shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol, msg=lambda m: f"{case}: {m}")
+    for got, want, name in zip(written, harness.kv_pool.get_kv_buffer(0), ("K", "V")):
+        assert torch.equal(got, want), f"{case}: {name} written into the pool differs from the reference"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def make_suite(backend_name: str, device: str | None = None, dtype: torch.dtype | None = None):
+    """A pytest test function parametrized over every conformance case (plus graph replay)."""
+    import pytest
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cases = base_cases(small=device == "cpu")
+
+    @pytest.mark.parametrize("case", cases, ids=str)
+    def test_attention_conformance(case):
+        spec = _spec(backend_name)
+        reason = spec.available() or applicable(spec, case, device)
+        if reason:
+            pytest.skip(f"{backend_name}: {reason}")
+        check_case(spec, case, device, dtype or default_dtype(device))
+
+    return test_attention_conformance
+
+
+def _spec(backend_name: str):
+    from backplane.plugin_manager import load_plugins
+
+    specs = load_plugins().registry.specs("attention")
+    if backend_name not in specs:
+        raise LookupError(f"attention backend {backend_name!r} is not registered; registered: {', '.join(sorted(specs))}")
+    return specs[backend_name]
+
+
+__all__ = ["Case", "Harness", "base_cases", "check_case", "make_suite", "applicable", "replace"]
