@@ -13,6 +13,7 @@ graph-replay cases run when the backend declares graph modes and CUDA is present
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, replace
 
@@ -164,6 +165,7 @@ class Harness:
 
 
 def run_backend(backend: AttentionBackend, harness: Harness, batch: ForwardBatch, qkv) -> torch.Tensor:
+    batch = copy.copy(batch)  # a backend may set fields on its batch; the reference gets a clean one
     backend.init_forward_metadata(batch)
     return backend.forward(*qkv, harness.layer(), batch)
 

@@ -38,6 +38,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=None)
 def decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     if device.type != "cuda":
         return DecodeConfig(block_n=32, min_split=64)
@@ -46,13 +47,16 @@ def decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     return DecodeConfig()
 
 
+@functools.lru_cache(maxsize=None)
 def extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
     if device.type != "cuda":
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     major, minor = torch.cuda.get_device_capability(device)
     big_smem = major >= 9 or (major, minor) == (8, 0)
-    if dtype == torch.float32 or head_dim > 128 or not big_smem:
-        return ExtendConfig(block_m=64, block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
+    if dtype == torch.float32 or head_dim > 128:
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if not big_smem:
+        return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
