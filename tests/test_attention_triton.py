@@ -252,6 +252,7 @@ class Requests:
         prefix = list(self.lens)
         loc = self._place(prefix, new_lens)
         self.lens = [p + n for p, n in zip(prefix, new_lens)]
+        self.new_lens = list(new_lens)
         bs, pad = len(new_lens), max(pad_to - len(new_lens), 0)
         per_request = new_lens[0]
         seq_lens = torch.tensor(self.lens + [1] * pad, dtype=torch.int32)
@@ -276,12 +277,8 @@ class Requests:
     def expected(self, batch, q, masked):
         """Reference output of the batch's real requests, reading every key back from the pool."""
         k_buf, v_buf = self.kv_pool.get_kv_buffer(LAYER.layer_id)
-        outs, start = [], 0
-        mask_start = 0
-        for b, row in enumerate(self.rows):
-            seq_len = self.lens[b]
-            n = int(batch.positions.shape[0] // len(self.rows)) if batch.extend_seq_lens is None else \
-                int(batch.extend_seq_lens[b])
+        outs, start, mask_start = [], 0, 0
+        for row, seq_len, n in zip(self.rows, self.lens, self.new_lens):
             slots = self.req_pool.req_to_token[row, :seq_len].long()
             mask = None
             if masked:

@@ -224,3 +224,22 @@ def _spec(backend_name: str):
 
 
 __all__ = ["Case", "Harness", "base_cases", "check_case", "make_suite", "applicable", "replace"]
+
+
+def make_graph_suite(backend_name: str, dtype: torch.dtype = torch.bfloat16):
+    """A pytest test: decode captured at sizes 1, 2, 4, 8, 16 and replayed over random padded
+    batches for many steps equals torch_native (skipped without CUDA or graph support)."""
+    import pytest
+
+    @pytest.mark.gpu
+    def test_attention_graph_conformance():
+        if not torch.cuda.is_available():
+            pytest.skip("graph replay needs CUDA")
+        spec = _spec(backend_name)
+        if spec.available() or "decode" not in spec.graph_modes:
+            pytest.skip(f"{backend_name}: {spec.available() or 'declares no decode graphs'}")
+        from backplane.testing.graph_conformance import check_graph_replay
+
+        check_graph_replay(spec, dtype)
+
+    return test_attention_graph_conformance
