@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,13 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+import torch  # noqa: E402 - decides the Triton mode before anything imports triton
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before the
+    # first `import triton`, which any test module may trigger.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -13,9 +13,17 @@ if torch.cuda.is_available():
     pytest.skip("interpreter tests run on CPU-only machines", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 
+import importlib  # noqa: E402
+import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 pytest.importorskip("triton")
+
+# NOTE: a kernel is compiled or interpreted as decided when it is defined; modules that another test
+# module imported earlier in this process (tests/gpu is collected first) are reloaded, in dependency order.
+for _name in ("tile_ops", "decode_kernels", "extend_kernels", "backend"):
+    if f"backplane.plugins.attention_triton.{_name}" in sys.modules:
+        importlib.reload(sys.modules[f"backplane.plugins.attention_triton.{_name}"])
 
 from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo  # noqa: E402
 from backplane.batch import ForwardBatch, ForwardMode  # noqa: E402

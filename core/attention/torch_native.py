@@ -7,6 +7,7 @@ plans on the host from `seq_lens_cpu`, so it never runs inside a CUDA graph.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ def _plan(batch: ForwardBatch) -> list[_RequestPlan]:
     else:
         num_queries = [batch.tokens_per_request] * bs
     mask_starts = _mask_starts(batch)
-    starts = [sum(num_queries[:i]) for i in range(bs)]
+    starts = [0, *itertools.accumulate(num_queries)]
     return [
         _RequestPlan(int(rows[i]), starts[i], int(num_queries[i]), int(seq_lens[i]), mask_starts[i])
         for i in range(bs)

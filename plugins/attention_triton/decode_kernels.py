@@ -30,8 +30,10 @@ def _split_geometry(seq_len, num_splits, window, BLOCK_N: tl.constexpr, MIN_SPLI
         # The query sits at seq_len - 1; keys at p > seq_len - 1 - window are visible.
         lo = tl.maximum(seq_len - window, 0)
     kv_len = seq_len - lo
-    used = tl.maximum(tl.minimum(num_splits, tl.cdiv(kv_len, MIN_SPLIT)), 1)
-    split_len = tl.cdiv(tl.cdiv(kv_len, used), BLOCK_N) * BLOCK_N
+    # NOTE: ceil divisions are spelled out; tl.cdiv is itself a jit function, which the interpreter
+    # cannot call when triton was imported before TRITON_INTERPRET was set.
+    used = tl.maximum(tl.minimum(num_splits, (kv_len + MIN_SPLIT - 1) // MIN_SPLIT), 1)
+    split_len = ((kv_len + used - 1) // used + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     return lo, split_len
 
 

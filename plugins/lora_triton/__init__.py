@@ -45,7 +45,8 @@ def backplane_register_lora_backends(register):
             # NOTE: the interpreter's tl.dot is wrong on bfloat16 operands
             dtypes=("float32", "float16") if _interpreted() else ("float32", "float16", "bfloat16"),
             supports_graph=True,
-            priority=50,
+            # Interpreted kernels are for tests: `auto` must never prefer them to torch_native.
+            priority=-50 if _interpreted() else 50,
             available=_available,
             install_hint="pip install triton",
         )

@@ -8,9 +8,6 @@ import os
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 is set: these tests need compiled kernels; run them in their own process",
-                allow_module_level=True)
 pytest.importorskip("triton")
 
 from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo  # noqa: E402
@@ -20,10 +17,21 @@ from backplane.batch import ForwardBatch, ForwardMode  # noqa: E402
 from backplane.memory import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from backplane.plugins.attention_triton.backend import TritonAttnBackend  # noqa: E402
 from backplane.plugins.attention_triton.configs import choose_num_kv_splits  # noqa: E402
+from backplane.plugins.attention_triton import decode_kernels  # noqa: E402
 from backplane.plugins.attention_triton.decode_kernels import decode_attention  # noqa: E402
 from backplane.plugins.attention_triton.extend_kernels import extend_attention  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+# A kernel's mode is fixed when it is defined: if a CPU test module set TRITON_INTERPRET=1 before these
+# kernels were first imported, they run in the interpreter. Run `pytest -m gpu tests/gpu` then.
+INTERPRETED = isinstance(decode_kernels._decode_split_kernel, InterpretedFunction) or \
+    os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(INTERPRETED, reason="kernels defined under TRITON_INTERPRET=1; run `pytest -m gpu tests/gpu`"),
+]
 BF16 = torch.bfloat16
 ATOL = RTOL = 2e-2
 

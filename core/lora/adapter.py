@@ -1,0 +1,204 @@
+"""Loading PEFT LoRA adapters from a directory, validated against the model they will run on.
+
+A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora,
+...) and `adapter_model.safetensors` with, per targeted projection of layer i, tensors named like
+`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` ([r, in_features]) and
+`...lora_B.weight` ([out_features, r]). The delta a projection gains is
+`scaling * x A^T B^T` with scaling = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
+
+Everything that would make the adapter run wrongly is refused with an error naming the adapter
+and the file: missing files, a rank above `--max-lora-rank`, a target the model does not have,
+non-float weights, wrong shapes, and PEFT features this executor does not implement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The Hugging Face projection names LoRA may target in the Llama family.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# PEFT options that change the arithmetic and are not implemented: (key, value meaning "off").
+_UNSUPPORTED = (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {}), ("bias", "none"),
+                ("lora_bias", False), ("modules_to_save", None), ("fan_in_fan_out", False))
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be served; the message names the adapter and the file."""
+
+
+@dataclass(frozen=True)
+class ProjectionShape:
+    """A projection's full (unsharded) input and output features."""
+
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What adapter_config.json says, validated."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter, on the host in the model dtype.
+
+    weights: (layer index, projection name) -> (A [rank, in_features], B [out_features, rank]).
+    """
+
+    name: str
+    path: Path
+    config: AdapterConfig
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def scaling(self) -> float:
+        return self.config.scaling
+
+
+def read_adapter_config(name: str, path: str | Path) -> AdapterConfig:
+    """Parse and check `path`/adapter_config.json of adapter `name`."""
+    file = _require_file(name, Path(path), CONFIG_FILE)
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"LoRA adapter {name!r} ({file}): expected JSON, got a parse error: {exc}") from exc
+    where = f"LoRA adapter {name!r} ({file})"
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{where}: expected peft_type 'LORA', got {raw.get('peft_type')!r}")
+    for key, off in _UNSUPPORTED:
+        value = raw.get(key, off)
+        if value is not None and value != off:
+            raise AdapterError(f"{where}: {key}={value!r} is not supported; expected {off!r}")
+    rank = raw.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"{where}: expected r (the rank) to be an integer >= 1, got {rank!r}")
+    alpha = raw.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)):
+        raise AdapterError(f"{where}: expected lora_alpha to be a number, got {alpha!r}")
+    targets = _target_modules(raw.get("target_modules"), where)
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora", False)), targets)
+
+
+def _target_modules(value, where: str) -> tuple[str, ...]:
+    if value == "all-linear":
+        return PROJECTIONS
+    if isinstance(value, str):
+        value = [value]  # a single name (PEFT would also read it as a regex; a plain name is the same)
+    if not isinstance(value, list) or not value:
+        raise AdapterError(f"{where}: expected target_modules to be a non-empty list of names, got {value!r}")
+    names = tuple(dict.fromkeys(str(v).rsplit(".", 1)[-1] for v in value))
+    unknown = [n for n in names if n not in PROJECTIONS]
+    if unknown:
+        raise AdapterError(
+            f"{where}: target module {unknown[0]!r} is not a projection this model has LoRA support for; "
+            f"expected some of {', '.join(PROJECTIONS)}"
+        )
+    return names
+
+
+def load_adapter(
+    name: str,
+    path: str | Path,
+    shapes: dict[str, ProjectionShape],
+    num_layers: int,
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoraAdapter:
+    """Read, validate and return adapter `name` from directory `path`.
+
+    shapes: the model's projections (PROJECTIONS names) with their full sizes; max_rank: the
+    configured --max-lora-rank; dtype: the model dtype the weights are converted to.
+    """
+    from safetensors.torch import load_file
+
+    config = read_adapter_config(name, path)
+    if config.rank > max_rank:
+        raise AdapterError(
+            f"LoRA adapter {name!r} ({Path(path) / CONFIG_FILE}): rank r={config.rank} is above "
+            f"--max-lora-rank {max_rank}; raise --max-lora-rank to at least {config.rank}"
+        )
+    missing = [t for t in config.target_modules if t not in shapes]
+    if missing:
+        raise AdapterError(
+            f"LoRA adapter {name!r} ({Path(path) / CONFIG_FILE}): target module {missing[0]!r} does not exist "
+            f"in this model; it has {', '.join(shapes)}"
+        )
+    file = _require_file(name, Path(path), WEIGHTS_FILE)
+    tensors = load_file(str(file))
+    pairs = _pair_tensors(name, file, tensors, config, num_layers)
+    weights = {key: _checked_pair(name, file, key, a, b, config.rank, shapes[key[1]], dtype)
+               for key, (a, b) in pairs.items()}
+    return LoraAdapter(name, Path(path), config, weights)
+
+
+def _require_file(name: str, directory: Path, filename: str) -> Path:
+    if not directory.is_dir():
+        raise AdapterError(f"LoRA adapter {name!r}: expected a PEFT adapter directory, got {str(directory)!r}")
+    file = directory / filename
+    if not file.is_file():
+        hint = " (save it with save_pretrained(..., safe_serialization=True))" if filename == WEIGHTS_FILE else ""
+        raise AdapterError(f"LoRA adapter {name!r}: expected file {file} to exist, but it is missing{hint}")
+    return file
+
+
+def _pair_tensors(name, file, tensors, config: AdapterConfig, num_layers: int):
+    """Group the file's tensors into {(layer, projection): (A, B)}, refusing anything else."""
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in config.target_modules:
+            raise AdapterError(
+                f"LoRA adapter {name!r} ({file}): unexpected tensor {key!r}; expected lora_A/lora_B weights of "
+                f"the target modules {', '.join(config.target_modules)} in layers 0..{num_layers - 1}"
+            )
+        layer = int(match.group(1))
+        if layer >= num_layers:
+            raise AdapterError(
+                f"LoRA adapter {name!r} ({file}): tensor {key!r} is for layer {layer}, "
+                f"but the model has {num_layers} layers"
+            )
+        parts.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
+    for (layer, proj), ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            absent = "lora_B" if "A" in ab else "lora_A"
+            raise AdapterError(f"LoRA adapter {name!r} ({file}): layer {layer} {proj} has no {absent} weight")
+    return {key: (ab["A"], ab["B"]) for key, ab in parts.items()}
+
+
+def _checked_pair(name, file, key, a, b, rank: int, shape: ProjectionShape, dtype: torch.dtype):
+    layer, proj = key
+    where = f"LoRA adapter {name!r} ({file}), layer {layer} {proj}"
+    for tensor, label in ((a, "lora_A"), (b, "lora_B")):
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"{where}: expected floating-point {label} weights, got {tensor.dtype}")
+    expected_a, expected_b = (rank, shape.in_features), (shape.out_features, rank)
+    if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+        raise AdapterError(
+            f"{where}: expected lora_A {list(expected_a)} and lora_B {list(expected_b)}, "
+            f"got {list(a.shape)} and {list(b.shape)}"
+        )
+    return a.to(dtype).contiguous(), b.to(dtype).contiguous()

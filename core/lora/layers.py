@@ -1,0 +1,160 @@
+"""LoRA wrappers of the model's linear layers: the base layer's own forward, then the LoRA delta.
+
+`wrap_model` replaces every q/k/v, o, gate/up and down projection module with a wrapper that holds
+the original module as `base_layer` (its forward is called, never copied) and one stacked weight
+buffer per projection, allocated once for every slot at the padded rank R_max (the layout of
+core/lora/base.py):
+
+  lora_a: [num_slots, num_slices * R_max, in_features]
+  lora_b: [num_slots, out_features, R_max]
+
+Slot 0 stays zero (base only). `load_slot` copies an adapter's A/B in place, zero-padded to R_max.
+Every wrapper of one model reads the current batch from one shared `LoraRuntime`: its
+`batch_info` is set before each forward (None: the pass runs without LoRA).
+
+Tensor parallelism (TODO, not wired yet): a column-parallel layer (q/k/v, gate/up) keeps A whole
+and would take its rank's rows of B; a row-parallel layer (o, down) would take its rank's columns
+of A and all-reduce the shrink result before the expand. `shard_pair` is where that slicing goes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from backplane.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from backplane.lora.base import LoraBackend
+from backplane.lora.batch_info import LoraBatchInfo
+
+# The Hugging Face projections each fused module of the Llama family holds, in output order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)$")
+
+
+@dataclass
+class LoraRuntime:
+    """What every LoRA layer of one model shares: the backend and the current batch's info."""
+
+    backend: LoraBackend
+    batch_info: LoraBatchInfo | None = None
+
+
+class LoraLinear(nn.Module):
+    """A linear layer plus LoRA: y = base_layer(x) + scaling[slot] * (x A[slot]^T) B[slot]^T.
+
+    projections: the Hugging Face names of the output slices (("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj") or one name); slice_sizes: their output widths.
+    """
+
+    def __init__(self, base_layer: nn.Module, runtime: LoraRuntime, layer_id: int,
+                 projections: tuple[str, ...], slice_sizes: list[int], num_slots: int, max_rank: int):
+        super().__init__()
+        self.base_layer = base_layer
+        self.runtime = runtime
+        self.layer_id = layer_id
+        self.projections = projections
+        self.max_rank = max_rank
+        self.offsets = tuple(sum(slice_sizes[:j]) for j in range(len(slice_sizes) + 1))
+        weight = base_layer.weight
+        in_features = weight.shape[1]
+        # NOTE: plain attributes, not buffers: they are not checkpoint weights.
+        self.lora_a = torch.zeros(num_slots, len(projections) * max_rank, in_features,
+                                  dtype=weight.dtype, device=weight.device)
+        self.lora_b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=weight.dtype, device=weight.device)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.projections)
+
+    @property
+    def output_sizes(self) -> list[int]:
+        return self.base_layer.output_sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_features] -> out: [T, out_features]
+        out = self.base_layer(x)
+        if self.runtime.batch_info is None:
+            return out
+        backend = self.runtime.backend
+        shrunk = backend.lora_a(x, self.lora_a, self.num_slices)  # [T, num_slices * R_max]
+        self.expand(backend, shrunk, out)
+        return out
+
+    def expand(self, backend: LoraBackend, shrunk: torch.Tensor, out: torch.Tensor) -> None:
+        backend.lora_b(shrunk, self.lora_b, out)
+
+    @torch.no_grad()
+    def load_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Write one adapter into `slot`: pairs[j] = (A [r, in], B [out_j, r]) for slice j, or None
+        when the adapter does not target that projection (the slice stays zero)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for j, pair in enumerate(pairs):
+            if pair is None:
+                continue
+            a, b = shard_pair(self, j, *pair)
+            rank = a.shape[0]
+            self.lora_a[slot, j * self.max_rank : j * self.max_rank + rank].copy_(a, non_blocking=True)
+            self.lora_b[slot, self.offsets[j] : self.offsets[j + 1], :rank].copy_(b, non_blocking=True)
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+
+class QKVLoraLinear(LoraLinear):
+    """q, k, v fused: one stacked shrink, then the fused expand into the three output slices."""
+
+    def expand(self, backend: LoraBackend, shrunk: torch.Tensor, out: torch.Tensor) -> None:
+        backend.qkv_lora_b(shrunk, self.lora_b, self.offsets, out)
+
+
+class GateUpLoraLinear(LoraLinear):
+    """gate and up fused: one stacked shrink, then the fused expand into both halves."""
+
+    def expand(self, backend: LoraBackend, shrunk: torch.Tensor, out: torch.Tensor) -> None:
+        backend.gate_up_lora_b(shrunk, self.lora_b, out)
+
+
+def shard_pair(layer: LoraLinear, slice_index: int, a: torch.Tensor, b: torch.Tensor):
+    """This rank's part of (A, B) for `layer`; the identity on one rank (see the module docstring)."""
+    parallel = getattr(layer.base_layer, "parallel", None)
+    if parallel is not None and parallel.tp_size > 1:
+        raise NotImplementedError("LoRA with tensor parallelism (--tp-size > 1) is not supported yet")
+    return a, b
+
+
+def _wrapper_for(base: nn.Module, attr: str):
+    """(wrapper class, projection names, slice sizes) for a projection module, or None."""
+    if isinstance(base, QKVParallelLinear) and attr in FUSED:
+        return QKVLoraLinear, FUSED[attr], list(base.output_sizes)
+    if isinstance(base, ColumnParallelLinear) and attr in FUSED:
+        return GateUpLoraLinear, FUSED[attr], list(base.output_sizes)
+    if isinstance(base, (ColumnParallelLinear, RowParallelLinear)) and attr not in FUSED:
+        return LoraLinear, (attr,), [base.weight.shape[0]]
+    return None
+
+
+def wrap_model(model: nn.Module, runtime: LoraRuntime, num_slots: int, max_rank: int) -> list[LoraLinear]:
+    """Replace every decoder-layer projection of `model` by its LoRA wrapper; returns the wrappers."""
+    wrappers = []
+    for name, module in list(model.named_modules()):
+        match = _LAYER.search(name)
+        found = _wrapper_for(module, match.group(2)) if match else None
+        if found is None:
+            continue
+        cls, projections, sizes = found
+        wrapper = cls(module, runtime, int(match.group(1)), projections, sizes, num_slots, max_rank)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, wrapper)
+        wrappers.append(wrapper)
+    if not wrappers:
+        raise ValueError(
+            f"LoRA: found no q/k/v, o, gate/up or down projection in {type(model).__name__}; "
+            "expected decoder layers named like model.layers.N.self_attn.qkv_proj"
+        )
+    return wrappers
