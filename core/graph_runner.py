@@ -49,13 +49,20 @@ class StaticInputs:
     out_cache_loc: torch.Tensor  # [max_tokens]
     req_pool_indices: torch.Tensor  # [max_bs]
     seq_lens: torch.Tensor  # [max_bs]
+    # TARGET_VERIFY only: the tree mask (see ForwardBatch) and the extend lengths.
+    extend_prefix_lens: torch.Tensor  # [max_bs] int32
+    extend_seq_lens: torch.Tensor  # [max_bs] int32
+    mask_indptr: torch.Tensor  # [max_bs + 1] int64
+    custom_mask: torch.Tensor  # [mask_size] bool, mask_size = max_bs * tokens_per_request * max_context_len
 
     @classmethod
-    def allocate(cls, max_bs: int, max_tokens: int, device) -> StaticInputs:
+    def allocate(cls, max_bs: int, max_tokens: int, device, mask_size: int = 0) -> StaticInputs:
         def zeros(n, dtype=torch.int64):
             return torch.zeros(n, dtype=dtype, device=device)
 
-        return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens), zeros(max_bs), zeros(max_bs, torch.int32))
+        return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens), zeros(max_bs), zeros(max_bs, torch.int32),
+                   zeros(max_bs, torch.int32), zeros(max_bs, torch.int32), zeros(max_bs + 1),
+                   zeros(mask_size, torch.bool))
 
 
 def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int, fill: int) -> ForwardBatch:
@@ -78,7 +85,35 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
         static.req_pool_indices[bs:pbs].fill_(pad_row)
         static.seq_lens[bs:pbs].fill_(fill)
     pad = torch.full((pbs - bs,), fill, dtype=torch.int32)
-    return _view(static, key, batch, torch.cat([batch.seq_lens_cpu.to(torch.int32), pad]))
+    seq_lens_cpu = torch.cat([batch.seq_lens_cpu.to(torch.int32), pad])
+    view = _view(static, key, batch, seq_lens_cpu)
+    if key.mode is ForwardMode.TARGET_VERIFY:
+        _pad_verify(static, view, batch.custom_mask, bs)
+    return view
+
+
+def _pad_verify(static: StaticInputs, view: ForwardBatch, real_mask: torch.Tensor | None, real_bs: int) -> None:
+    """Fill the verify fields of a padded view: the real requests' tree mask, then an all-visible
+    [tokens_per_request, seq_len] block for each padded request; extend lengths from seq_lens."""
+    if real_mask is None:
+        raise ValueError("graph runner: a TARGET_VERIFY batch needs custom_mask, got None")
+    pbs, tpr = view.batch_size, view.graph_key.tokens_per_request
+    sizes = tpr * view.seq_lens_cpu.to(torch.int64)  # [pbs] mask entries per request
+    indptr = torch.zeros(pbs + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(sizes, 0)
+    real, total = int(indptr[real_bs]), int(indptr[pbs])
+    if total > static.custom_mask.numel():
+        raise ValueError(f"graph runner: expected a verify mask of at most {static.custom_mask.numel()} entries, "
+                         f"got {total}")
+    static.custom_mask[:real].copy_(real_mask.view(-1)[:real])
+    static.custom_mask[real:total].fill_(True)
+    static.mask_indptr[: pbs + 1].copy_(indptr)
+    static.extend_seq_lens[:pbs].fill_(tpr)
+    torch.sub(static.seq_lens[:pbs], tpr, out=static.extend_prefix_lens[:pbs])
+    view.custom_mask, view.mask_indptr = static.custom_mask[:total], static.mask_indptr[: pbs + 1]
+    view.extend_seq_lens, view.extend_prefix_lens = static.extend_seq_lens[:pbs], static.extend_prefix_lens[:pbs]
+    view.extend_seq_lens_cpu = torch.full((pbs,), tpr, dtype=torch.int32)
+    view.extend_prefix_lens_cpu = view.seq_lens_cpu.to(torch.int32) - tpr
 
 
 def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
@@ -88,7 +123,7 @@ def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu:
         positions=static.positions[:pn], req_pool_indices=static.req_pool_indices[:pbs],
         seq_lens=static.seq_lens[:pbs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=static.out_cache_loc[:pn],
         req_to_token_pool=like.req_to_token_pool, token_to_kv_pool=like.token_to_kv_pool,
-        spec_info=like.spec_info, lora_info=like.lora_info, graph_key=key,
+        spec_info=like.spec_info, lora_info=like.lora_info, graph_key=key, extra=dict(like.extra),
     )
     return view
 
@@ -108,7 +143,9 @@ class GraphRunner:
         self.extras_variants = extras_variants or [()]
         max_bs = max(self.sizes)
         max_tokens = max_bs * max(self.tokens_per_request.values())
-        self.static = StaticInputs.allocate(max_bs, max_tokens, runner.device)
+        verify_tpr = self.tokens_per_request.get(ForwardMode.TARGET_VERIFY, 0)
+        mask_size = max_bs * verify_tpr * runner.req_to_token_pool.max_context_len
+        self.static = StaticInputs.allocate(max_bs, max_tokens, runner.device, mask_size)
         self.backend.init_graph_state(max_bs, max_tokens)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, ModelOutput] = {}
@@ -138,16 +175,28 @@ class GraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MB",
                     len(keys), self.sizes, self.capture_seconds, self.graph_memory_bytes / 2**20)
 
+    def fill_for(self, key: GraphKey) -> int:
+        """seq_len of padded requests: the backend's value, but at least the new tokens of a verify."""
+        if key.mode is ForwardMode.TARGET_VERIFY:
+            return max(self.fill, key.tokens_per_request)
+        return self.fill
+
     def _capture_batch(self, key: GraphKey) -> ForwardBatch:
+        fill = self.fill_for(key)
         self.static.req_pool_indices[: key.batch_size].fill_(self.pad_row)
-        self.static.seq_lens[: key.batch_size].fill_(self.fill)
+        self.static.seq_lens[: key.batch_size].fill_(fill)
         self.static.out_cache_loc[: key.num_tokens].zero_()
-        seq_lens_cpu = torch.full((key.batch_size,), self.fill, dtype=torch.int32)
+        seq_lens_cpu = torch.full((key.batch_size,), fill, dtype=torch.int32)
         like = ForwardBatch(key.mode, key.batch_size, self.static.input_ids, self.static.positions,
                             self.static.req_pool_indices, self.static.seq_lens, seq_lens_cpu,
                             self.static.out_cache_loc, self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
+        if key.mode is ForwardMode.TARGET_VERIFY:
+            like.extra["capture_hidden"] = True  # EAGLE drafts from them; harmless for others
         self.runner.prepare_graph_batch(like, key)
-        return _view(self.static, key, like, seq_lens_cpu)
+        view = _view(self.static, key, like, seq_lens_cpu)
+        if key.mode is ForwardMode.TARGET_VERIFY:  # capture with a mask: replays always carry one
+            _pad_verify(self.static, view, self.static.custom_mask[:0], 0)
+        return view
 
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)
@@ -206,7 +255,7 @@ class GraphRunner:
 
     def replay(self, batch: ForwardBatch) -> ModelOutput:
         key = self.key_for(batch)
-        padded = pad_into(self.static, batch, key, self.pad_row, self.fill)
+        padded = pad_into(self.static, batch, key, self.pad_row, self.fill_for(key))
         self.runner.prepare_graph_batch(padded, key, real=batch)
         self.backend.init_metadata_for_replay(key, padded)
         self.graphs[key].replay()

@@ -83,6 +83,9 @@ class ModelRunner:
         self.registry = plugin_set.registry
         self.parallel = parallel or ParallelContext()
         self.device = resolve_device(args)
+        if self.device.type == "cuda" and self.parallel.tp_size > 1:  # one GPU per rank
+            self.device = torch.device("cuda", self.parallel.tp_rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args, self.device)
         self.source = resolve_model_source(args)
         self.hf_config = self.source.hf_config
@@ -100,6 +103,9 @@ class ModelRunner:
         self.graph_contributors: list[Any] = []  # components adding graph-key extras (LoRA, ...)
         self.graph_runner = None
         self.graph_mode_limits: list[Any] = []
+        # Tensor-parallel rank 0: forwards go through the driver, which first sends each batch to
+        # the other ranks (backplane.distributed); None on one rank and on the workers.
+        self.tp_driver: Any = None
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
@@ -148,7 +154,11 @@ class ModelRunner:
             return
         variants = _product([c.graph_variants() for c in self.graph_contributors])
         self.graph_runner = GraphRunner(self, [ForwardMode(m) for m in modes], variants)
+        # NOTE: under tensor parallelism the graphs record the collectives (NCCL); every rank
+        # captures the same keys in the same order, entered and left together.
+        self.parallel.barrier()
         self.graph_runner.capture()
+        self.parallel.barrier()
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -188,7 +198,8 @@ class ModelRunner:
             return max(2, min(CPU_KV_BUDGET_BYTES // per_token, 1 << 17))
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.args.mem_fraction_static - (total - free)
-        return int(budget // per_token)
+        # Rank 0 allocates slots for every rank: all pools get the size of the smallest.
+        return self.parallel.min_over_ranks(int(budget // per_token))
 
     def attention_requirements(self, modes: tuple[str, ...]) -> AttentionRequirements:
         info = self.layer_infos[0]
@@ -238,6 +249,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """One forward pass: through a captured graph when the graph runner can, else eagerly."""
+        if self.tp_driver is not None:
+            return self.tp_driver.run(batch, self._forward_local)
+        return self._forward_local(batch)
+
+    def _forward_local(self, batch: ForwardBatch) -> ModelOutput:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return self.forward_eager(batch)

@@ -18,6 +18,9 @@ ENV_PREFIX = "BACKPLANE_"
 # Read before settings exist (they decide which plugins load, and so which flags exist).
 ENV_PLUGINS = "BACKPLANE_PLUGINS"
 ENV_STRICT_PLUGINS = "BACKPLANE_STRICT_PLUGINS"
+# Tests only: "RANK" or "RANK:STAGE" (STAGE start or forward) makes that tensor-parallel worker
+# raise at that point, to show that the engine then fails with the rank and cause, without hanging.
+ENV_TEST_FAIL_RANK = "BACKPLANE_TEST_FAIL_RANK"
 
 
 # Lists in env vars are written "a,b,c" (or space separated), not JSON.

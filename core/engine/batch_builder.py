@@ -50,6 +50,23 @@ def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToT
                        req_pool, kv_pool)
 
 
+def build_verify_batch(reqs: list[Req], input_ids: list[int], positions: list[int], out_cache_loc: torch.Tensor,
+                       num_nodes: int, custom_mask: torch.Tensor, mask_indptr: torch.Tensor,
+                       req_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> ForwardBatch:
+    """TARGET_VERIFY: `num_nodes` draft-tree tokens per request after its `num_cached` cached ones.
+
+    The slots (out_cache_loc, host) are already in req_to_token; positions are num_cached + depth;
+    custom_mask / mask_indptr as in ForwardBatch (host tensors, moved to the pool's device here).
+    """
+    prefix = [req.num_cached for req in reqs]
+    batch = _make_batch(ForwardMode.TARGET_VERIFY, reqs, input_ids, positions, [p + num_nodes for p in prefix],
+                        out_cache_loc, req_pool, kv_pool, prefix=prefix, extend=[num_nodes] * len(reqs))
+    device = req_pool.req_to_token.device
+    batch.custom_mask = custom_mask.to(device, non_blocking=True)
+    batch.mask_indptr = mask_indptr.to(device, non_blocking=True)
+    return batch
+
+
 def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_pool, kv_pool,
                 prefix=None, extend=None) -> ForwardBatch:
     device = req_pool.req_to_token.device

@@ -6,12 +6,15 @@ import itertools
 import logging
 from typing import Any, Sequence
 
+from backplane.distributed.launcher import WorkerFailedError
 from backplane.engine.request import FinishReason, Req, RequestOutput
 from backplane.engine.sampling_params import SamplingParams
 from backplane.engine.scheduler import Scheduler
 from backplane.engine.tokenizer import eos_ids, load_tokenizer
+from backplane.lora.manager import attach_lora
 from backplane.plugin_manager import PluginSet, load_plugins
 from backplane.settings import ServerArgs, build_server_args
+from backplane.speculative.factory import build_spec_worker, check_spec_settings, sampling_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,7 @@ class Engine:
     def __init__(self, model: str | None = None, *, plugins: Sequence[Any] = (),
                  plugin_options: dict[str, dict[str, Any]] | None = None,
                  server_args: ServerArgs | None = None, plugin_set: PluginSet | None = None, **kwargs: Any):
+        from backplane.distributed.driver import start_tensor_parallel, tp_startup
         from backplane.model_runner import ModelRunner
 
         if model is not None:
@@ -34,23 +38,53 @@ class Engine:
         self.plugin_set = plugin_set or load_plugins(strict=kwargs.get("strict_plugins"), extra=plugins)
         self.args = server_args or build_server_args(kwargs, self.plugin_set.settings_groups(), plugin_options)
         self.plugin_set.configure(self.args)
-        self.runner = ModelRunner(self.args, self.plugin_set)
-        self.runner.init_cuda_graphs()
+        self.spec = check_spec_settings(self.args, self.plugin_set)  # fail fast, before the model
+        # --tp-size N: this process is rank 0 and spawns ranks 1..N-1 (None at tp size 1).
+        self.tp = start_tensor_parallel(self.args, plugins)
+        with tp_startup(self.tp):  # a failure here stops the workers and names one that caused it
+            self.runner = ModelRunner(self.args, self.plugin_set, self.tp.parallel if self.tp else None)
+            # NOTE: LoRA wraps the model and joins the graph key, so it must exist before capture.
+            self.lora_manager = attach_lora(self.runner)
+            self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner)
+            if self.tp is not None:
+                self.tp.attach(self.runner, self.lora_manager)  # waits for every worker's runner
+            self.runner.init_cuda_graphs()
+            if self.spec_worker is not None:
+                self.spec_worker.init_cuda_graphs()  # the draft's graphs share the target's pool
         self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size))
         self.scheduler = Scheduler(
             self.runner, max_running=self.args.max_running_requests or self.runner.req_to_token_pool.size - 1,
             chunk_size=self.args.chunked_prefill_size,
             eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
             detokenize=self.decode, seed=self.args.seed,
+            participants=[self.lora_manager] if self.lora_manager else [],
+            spec_worker=self.spec_worker,
         )
+        if self.lora_manager:
+            self.lora_manager.running = lambda: self.scheduler.running
         self._rids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""
+        tp = getattr(self, "tp", None)
+        if tp is not None:
+            tp.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
     @property
     def backends(self) -> dict[str, Any]:
-        return self.runner.backends_summary()
+        summary = self.runner.backends_summary()
+        if self.lora_manager:
+            summary["lora"] = self.lora_manager.summary()
+        return summary
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -74,6 +108,8 @@ class Engine:
     def _step(self) -> list[Req]:
         try:
             return self.scheduler.step()
+        except WorkerFailedError:
+            raise  # a tensor-parallel rank is gone: the engine cannot go on (its workers are stopped)
         except Exception as exc:  # noqa: BLE001 - a failing forward must not lose the pool
             logger.exception("forward failed; aborting the running requests")
             return self.scheduler.abort_all(f"forward pass failed: {type(exc).__name__}: {exc}")
@@ -86,6 +122,9 @@ class Engine:
         for req in reqs:
             if req.lora is not None:
                 self._check_adapter(req)
+            refusal = sampling_refusal(self.spec, req)
+            if refusal and not req.finished:
+                req.abort(refusal)
         return reqs
 
     def _check_adapter(self, req: Req) -> None:

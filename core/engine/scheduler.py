@@ -66,8 +66,10 @@ class Scheduler:
         if n + m > context:
             return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} exceeds the context "
                     f"length {context}; shorten the prompt or lower max_new_tokens")
-        if n + m > self.kv_pool.num_slots:
-            return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} needs {n + m} KV slots "
+        # A speculative step holds slots for every draft token, beyond the request's last position.
+        spare = self.decode_slots_per_request - 1
+        if n + m + spare > self.kv_pool.num_slots:
+            return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} needs {n + m + spare} KV slots "
                     f"but the pool holds {self.kv_pool.num_slots}; raise --max-total-tokens")
         return None
 
@@ -87,7 +89,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
         reqs, chunks, budget = [], [], self.chunk_size
-        reserve = sum(1 for r in self.running if not r.needs_prefill)
+        reserve = self.decode_slots_per_request * sum(1 for r in self.running if not r.needs_prefill)
         free = self.kv_pool.num_free - reserve
         candidates = [r for r in self.running if r.needs_prefill] + list(self.waiting)
         for req in candidates:
@@ -122,10 +124,15 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Req]:
         ready = [r for r in self.running if not r.needs_prefill]
-        while ready and self.kv_pool.num_free < len(ready):
+        while ready and self.kv_pool.num_free < self.decode_slots_per_request * len(ready):
             victim = ready.pop()  # newest first
             self._preempt(victim)
         return ready
+
+    @property
+    def decode_slots_per_request(self) -> int:
+        """KV slots one decode step needs per request (all the draft tokens under speculation)."""
+        return self.spec_worker.slots_per_request if self.spec_worker is not None else 1
 
     def _preempt(self, req: Req) -> None:
         logger.info("preempting request %d (KV pool full); it will be recomputed", req.rid)
@@ -148,7 +155,10 @@ class Scheduler:
         completes = [req.num_cached + n == len(req.all_ids) for req, n in zip(reqs, chunks)]
         for req, n in zip(reqs, chunks):
             req.num_cached += n
-        logits = self.runner.forward(batch).logits
+        if self.spec_worker is not None:  # EAGLE keeps the target's hidden states of the prompt
+            logits = self.spec_worker.forward_prefill(batch, reqs, chunks).logits
+        else:
+            logits = self.runner.forward(batch).logits
         done = [req for req, c in zip(reqs, completes) if c]
         rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
         return self._sample_and_advance(done, logits.index_select(0, rows)) if done else []

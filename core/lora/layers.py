@@ -12,9 +12,11 @@ Slot 0 stays zero (base only). `load_slot` copies an adapter's A/B in place, zer
 Every wrapper of one model reads the current batch from one shared `LoraRuntime`: its
 `batch_info` is set before each forward (None: the pass runs without LoRA).
 
-Tensor parallelism (TODO, not wired yet): a column-parallel layer (q/k/v, gate/up) keeps A whole
-and would take its rank's rows of B; a row-parallel layer (o, down) would take its rank's columns
-of A and all-reduce the shrink result before the expand. `shard_pair` is where that slicing goes.
+Tensor parallelism: a column-parallel layer (q/k/v, gate/up) keeps A whole and takes its rank's
+rows of B (for k/v the rows of its KV heads, shared by `kv_replicas` ranks); a row-parallel layer
+(o, down) takes its rank's columns of A and all-reduces the shrink result before the expand, so
+every rank adds the same full delta to the all-reduced base output. `shard_pair` does the slicing;
+adapters are validated against `full_projection_shape`.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class LoraLinear(nn.Module):
             return out
         backend = self.runtime.backend
         shrunk = backend.lora_a(x, self.lora_a, self.num_slices)  # [T, num_slices * R_max]
+        if isinstance(self.base_layer, RowParallelLinear):  # partial sums over the input shards
+            shrunk = self.base_layer.parallel.all_reduce(shrunk)
         self.expand(backend, shrunk, out)
         return out
 
@@ -120,12 +124,39 @@ class GateUpLoraLinear(LoraLinear):
         backend.gate_up_lora_b(shrunk, self.lora_b, out)
 
 
+def _source_shard(layer: LoraLinear, slice_index: int) -> int:
+    """Which shard of the full output slice this rank holds (k/v heads may be shared by ranks)."""
+    base, rank = layer.base_layer, layer.base_layer.parallel.tp_rank
+    if isinstance(base, QKVParallelLinear) and slice_index > 0:
+        return rank // base.kv_replicas
+    return rank
+
+
+def full_projection_shape(layer: LoraLinear, slice_index: int) -> tuple[int, int]:
+    """(in_features, out_features) of projection `slice_index` before the tensor-parallel split."""
+    base = layer.base_layer
+    width = layer.offsets[slice_index + 1] - layer.offsets[slice_index]
+    in_features = layer.lora_a.shape[2]
+    parallel = getattr(base, "parallel", None)
+    tp = parallel.tp_size if parallel is not None else 1
+    if isinstance(base, RowParallelLinear):
+        return in_features * tp, width
+    if isinstance(base, QKVParallelLinear) and slice_index > 0:
+        return in_features, width * tp // base.kv_replicas
+    return in_features, width * tp
+
+
 def shard_pair(layer: LoraLinear, slice_index: int, a: torch.Tensor, b: torch.Tensor):
-    """This rank's part of (A, B) for `layer`; the identity on one rank (see the module docstring)."""
-    parallel = getattr(layer.base_layer, "parallel", None)
-    if parallel is not None and parallel.tp_size > 1:
-        raise NotImplementedError("LoRA with tensor parallelism (--tp-size > 1) is not supported yet")
-    return a, b
+    """This rank's part of (A [r, in], B [out, r]) for slice `slice_index` (see the module docstring)."""
+    base = layer.base_layer
+    parallel = getattr(base, "parallel", None)
+    if parallel is None or parallel.tp_size == 1:
+        return a, b
+    if isinstance(base, RowParallelLinear):
+        n = layer.lora_a.shape[2]
+        return a.narrow(1, parallel.tp_rank * n, n), b
+    width = layer.offsets[slice_index + 1] - layer.offsets[slice_index]
+    return a, b.narrow(0, _source_shard(layer, slice_index) * width, width)
 
 
 def _wrapper_for(base: nn.Module, attr: str):

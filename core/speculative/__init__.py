@@ -1,0 +1,24 @@
+"""Speculative decoding: the SpecWorker contract and the helpers every algorithm shares.
+
+Public for algorithm plugins: SpecWorker, SpecContext, SpecStats, DraftTree, verify_mask,
+verify_greedy, Accepted, alloc_verify_slots, commit_accepted, and the draft-model building
+blocks in `backplane.speculative.draft_parts`.
+"""
+
+from backplane.speculative.accept import Accepted, verify_greedy
+from backplane.speculative.kv import alloc_verify_slots, commit_accepted
+from backplane.speculative.tree import DraftTree, ancestor_matrix, verify_mask
+from backplane.speculative.worker import SpecContext, SpecStats, SpecWorker
+
+__all__ = [
+    "Accepted",
+    "DraftTree",
+    "SpecContext",
+    "SpecStats",
+    "SpecWorker",
+    "alloc_verify_slots",
+    "ancestor_matrix",
+    "commit_accepted",
+    "verify_greedy",
+    "verify_mask",
+]

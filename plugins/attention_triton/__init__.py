@@ -51,7 +51,8 @@ def backplane_register_attention_backends(register):
             sliding_window=True,
             logit_softcap=True,
             seq_len_fill_value=1,
-            priority=50,
+            # Interpreted kernels are for tests: `auto` must never prefer them to torch_native.
+            priority=-50 if interpreting else 50,
             available=_available,
             install_hint="pip install triton",
         )

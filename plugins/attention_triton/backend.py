@@ -64,6 +64,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
         meta = self._metadata(ExtendMetadata, batch)
+        if k is None or v is None:
+            raise ValueError("triton attention: forward_extend expected the new tokens' k and v, got None")
         q, k, v, o = self._prepare(q, k, v, layer, batch)
         if q.shape[0] == 0:
             return o

@@ -92,7 +92,7 @@ def _extend_kernel(
         if USE_WINDOW:
             lo_new = tl.maximum(m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
         end_new = q_len
-        full_end = lo_new  # new keys below this need no mask
+        full_end = lo_new  # keys in [lo_new, full_end) need no mask: causal only, no window or custom mask
         if not USE_MASK:
             end_new = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
             if not USE_WINDOW:

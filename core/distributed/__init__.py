@@ -1,0 +1,15 @@
+"""Tensor parallelism on torch.distributed: rank 0 is the Engine's process and drives workers.
+
+`--tp-size N` spawns ranks 1..N-1 (launcher.py); every rank loads the plugins, builds its own
+ModelRunner on its weight shard and KV pool (sized by its local KV heads), and joins two process
+groups: the tensor group (NCCL on GPU, gloo on CPU) for the layers' collectives, and a gloo group
+for host data. Each forward, rank 0 broadcasts the ForwardBatch's host data (batch_sync.py, with
+the LoRA slot table from lora_sync.py); each worker rebuilds the batch against its own pools,
+mirrors rank 0's req_to_token writes, and runs the same forward (worker.py). Only rank 0's logits
+are used. A worker that fails reports its exception; rank 0 raises WorkerFailedError naming the
+rank and cause (driver.py) instead of hanging.
+"""
+
+from backplane.distributed.launcher import WorkerFailedError
+
+__all__ = ["WorkerFailedError"]

@@ -1,0 +1,108 @@
+"""What rank 0 sends each forward so that every worker runs the same batch on its own pools.
+
+A BatchMessage holds the ForwardBatch's host data (small CPU tensors) and the LoRA segment and
+slot table; `unpack_batch` rebuilds the ForwardBatch on a worker's device against its pools, after
+mirroring rank 0's req_to_token writes for the batch's new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backplane.batch import ForwardBatch, ForwardMode
+
+# Optional ForwardBatch tensors sent when set (host copies go as they are, device ones are copied).
+OPTIONAL_FIELDS = ("extend_prefix_lens_cpu", "extend_seq_lens_cpu", "custom_mask", "mask_indptr", "logits_indices")
+MIRRORED_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE)
+
+
+@dataclass
+class BatchMessage:
+    """A ForwardBatch without its pools: every tensor on the host.
+
+    input_ids, positions, out_cache_loc: [num_tokens] int64; req_pool_indices: [batch_size] int64;
+    seq_lens_cpu: [batch_size] int32; optional: the OPTIONAL_FIELDS of ForwardBatch.
+    lora: a lora_sync.LoraMessage, or None for a base-only batch.
+    """
+
+    mode: str
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    optional: dict[str, torch.Tensor] = field(default_factory=dict)
+    return_logprob: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    lora: Any = None
+
+
+def _host(t: torch.Tensor, dtype=torch.int64) -> torch.Tensor:
+    return t.to("cpu", dtype)
+
+
+def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
+    """The host data of `batch` (rank 0, before its forward)."""
+    if batch.forward_mode not in MIRRORED_MODES:
+        raise NotImplementedError(
+            f"tensor parallelism: expected a forward mode in {[m.value for m in MIRRORED_MODES]}, "
+            f"got {batch.forward_mode.value!r} (speculative decoding is not supported with --tp-size > 1)"
+        )
+    optional = {}
+    for name in OPTIONAL_FIELDS:
+        value = getattr(batch, name)
+        if value is not None:
+            optional[name] = value.cpu()
+    return BatchMessage(
+        mode=batch.forward_mode.value, batch_size=batch.batch_size, input_ids=_host(batch.input_ids),
+        positions=_host(batch.positions), out_cache_loc=_host(batch.out_cache_loc),
+        req_pool_indices=_host(batch.req_pool_indices), seq_lens_cpu=_host(batch.seq_lens_cpu, torch.int32),
+        optional=optional, return_logprob=batch.return_logprob, extra=dict(batch.extra), lora=lora,
+    )
+
+
+def new_token_counts(msg: BatchMessage) -> torch.Tensor:
+    """[batch_size] int64: new tokens per request (extend lengths, or the same count for all)."""
+    lens = msg.optional.get("extend_seq_lens_cpu")
+    if lens is not None:
+        return lens.to(torch.int64)
+    return torch.full((msg.batch_size,), msg.input_ids.numel() // max(msg.batch_size, 1), dtype=torch.int64)
+
+
+def mirror_req_to_token(msg: BatchMessage, req_to_token: torch.Tensor) -> None:
+    """Repeat rank 0's writes: req_to_token[row, position] = slot for every new token.
+
+    In EXTEND and DECODE a token's position is its index in the request, which is where the
+    scheduler recorded its slot (see ForwardBatch).
+    """
+    rows = torch.repeat_interleave(msg.req_pool_indices, new_token_counts(msg))  # [num_tokens]
+    device = req_to_token.device
+    req_to_token[rows.to(device), msg.positions.to(device)] = msg.out_cache_loc.to(device, torch.int32)
+
+
+def unpack_batch(msg: BatchMessage, req_to_token_pool: Any, token_to_kv_pool: Any,
+                 device: torch.device) -> ForwardBatch:
+    """The ForwardBatch of `msg` on `device` over this rank's pools (req_to_token mirrored first)."""
+    mirror_req_to_token(msg, req_to_token_pool.req_to_token)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    batch = ForwardBatch(
+        forward_mode=ForwardMode(msg.mode), batch_size=msg.batch_size, input_ids=dev(msg.input_ids),
+        positions=dev(msg.positions), req_pool_indices=dev(msg.req_pool_indices),
+        seq_lens=dev(msg.seq_lens_cpu), seq_lens_cpu=msg.seq_lens_cpu, out_cache_loc=dev(msg.out_cache_loc),
+        req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
+        return_logprob=msg.return_logprob, extra=dict(msg.extra),
+    )
+    for name, value in msg.optional.items():
+        setattr(batch, name, value if name.endswith("_cpu") else dev(value))
+    for name in ("extend_prefix_lens", "extend_seq_lens"):
+        host = msg.optional.get(name + "_cpu")
+        if host is not None:
+            setattr(batch, name, dev(host))
+    return batch

@@ -1,0 +1,61 @@
+"""Building blocks for draft models, so that algorithm plugins need no private core module.
+
+`llama_decoder_layer` is the target family's own decoder layer (same ops, same weight names), and
+`make_attention_backend` builds another instance of the target's attention backend over a draft
+model's pools, through the same registry selection the target used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from backplane.attention.base import AttentionBackend, AttentionBackendContext
+
+
+def llama_decoder_layer(config: Any, layer_id: int, model_ctx: Any) -> nn.Module:
+    """A Llama decoder layer: forward(positions, hidden, residual, batch) -> (hidden, residual)."""
+    from backplane.models.llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer(config, layer_id, model_ctx, qkv_bias=False, qk_norm=False)
+
+
+def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    """Load Hugging Face-named tensors (q_proj/k_proj/... fused on the fly) into `module`."""
+    from backplane.models.weights import load_named_weights as load
+
+    return load(module, weights, strict=strict)
+
+
+def iterate_safetensors(path) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every *.safetensors file in directory `path`."""
+    from backplane.models.loader import iterate_safetensors as iterate
+
+    return iterate(path)
+
+
+def load_config(path) -> Any:
+    """The transformers config of a model directory."""
+    from backplane.models.loader import load_hf_config
+
+    return load_hf_config(path)
+
+
+def make_attention_backend(runner: Any, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> AttentionBackend:
+    """A new instance of the target runner's `role` ("prefill"/"decode") backend over other pools."""
+    if role not in runner.attn_choices:
+        raise ValueError(f"attention role: expected one of {sorted(runner.attn_choices)}, got {role!r}")
+    choice = runner.attn_choices[role]
+    group = runner._options_group_of(choice.plugin)
+    info = layers[0]
+    ctx = AttentionBackendContext(
+        num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+        num_layers=len(layers), dtype=runner.dtype, device=runner.device,
+        req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
+        max_context_len=req_to_token_pool.max_context_len,
+        options=runner.args.options_for(group) if group else None, server_args=runner.args,
+        layers=list(layers),
+    )
+    return choice.spec.factory(ctx)

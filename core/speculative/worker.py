@@ -1,0 +1,137 @@
+"""The SpecWorker contract: draft a tree, verify it with the target, keep what greedy decoding keeps.
+
+The scheduler calls `decode(reqs, scheduler)` instead of its plain decode step. One step:
+  1. allocate `num_draft_tokens` KV slots per request (positions num_cached ..),
+  2. `draft(reqs)` -> a DraftTree of num_draft_tokens nodes per request (node 0: the last token),
+  3. verify: one TARGET_VERIFY forward of every node under the tree mask at positions
+     num_cached + depth, then greedy acceptance (backplane.speculative.accept),
+  4. keep the accepted nodes' slots in position order, free the rest, advance num_cached,
+  5. `after_verify(...)` lets the algorithm update its per-request state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backplane.speculative.accept import Accepted, verify_greedy
+from backplane.speculative.kv import alloc_verify_slots, commit_accepted
+from backplane.speculative.tree import DraftTree, verify_mask
+
+
+@dataclass
+class SpecContext:
+    """What a spec algorithm's factory receives.
+
+    runner: the target model runner (its model, pools, attention backend and graph runner)
+    args: the final ServerArgs; plugin: the name of the plugin that registered the algorithm
+    """
+
+    runner: Any
+    args: Any
+    spec: Any
+    plugin: str = ""
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return int(self.args.speculative_num_draft_tokens)
+
+    def make_attention_backend(self, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> Any:
+        """A fresh instance of the target's `role` ("prefill" or "decode") attention backend over
+        other pools (a draft model's), for the attention layers `layers` (AttentionLayerInfo)."""
+        from backplane.speculative.draft_parts import make_attention_backend
+
+        return make_attention_backend(self.runner, role, req_to_token_pool, token_to_kv_pool, layers)
+
+
+@dataclass
+class SpecStats:
+    """Acceptance bookkeeping: `mean_acceptance_length` is tokens gained per request per step
+    (accepted drafts + the bonus token), between 1 and num_draft_tokens."""
+
+    steps: int = 0
+    request_steps: int = 0
+    tokens: int = 0
+    histogram: dict[int, int] = field(default_factory=dict)
+
+    def add(self, accepted: list[Accepted]) -> None:
+        self.steps += 1
+        for a in accepted:
+            self.request_steps += 1
+            self.tokens += len(a.new_tokens)
+            self.histogram[len(a.new_tokens)] = self.histogram.get(len(a.new_tokens), 0) + 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.tokens / max(self.request_steps, 1)
+
+
+class SpecWorker(ABC):
+    """Base of every speculative algorithm; subclasses implement `draft`."""
+
+    capture_hidden = False  # does the algorithm need the target's hidden states (EAGLE)?
+
+    def __init__(self, ctx: SpecContext):
+        self.ctx = ctx
+        self.runner = ctx.runner
+        self.num_draft_tokens = ctx.num_draft_tokens
+        self.stats = SpecStats()
+
+    @property
+    def slots_per_request(self) -> int:
+        """KV slots one decode step of one request needs."""
+        return self.num_draft_tokens
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def forward_prefill(self, batch, reqs: list, chunks: list[int]):
+        """Run a prefill (extend) batch of the target; EAGLE keeps its hidden states."""
+        return self.runner.forward(batch)
+
+    @abstractmethod
+    def draft(self, reqs: list) -> DraftTree:
+        """Propose num_draft_tokens nodes per request; root = req.all_ids[-1]. Verify slots are
+        already allocated (req.slots[-1], positions num_cached ..)."""
+
+    def after_verify(self, reqs: list, tree: DraftTree, accepted: list[Accepted], output) -> None:
+        """Called after the accepted slots are committed (req.num_cached already advanced)."""
+
+    def init_cuda_graphs(self) -> None:
+        """Capture the algorithm's own graphs (after the target's)."""
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def decode(self, reqs: list, scheduler: Any = None) -> list[tuple[list[int], list[float]]]:
+        """One speculative step for `reqs`; per request (new tokens, their log-probabilities)."""
+        assert all(r.params.is_greedy for r in reqs), "speculative decoding here is greedy only"
+        runner = self.runner
+        alloc_verify_slots(reqs, self.num_draft_tokens, runner.token_to_kv_pool, runner.req_to_token_pool)
+        tree = self.draft(reqs)
+        accepted, logprobs, output = self.verify(reqs, tree)
+        self.after_verify(reqs, tree, accepted, output)
+        return [(a.new_tokens, [lp[n] for n in a.path]) for a, lp in zip(accepted, logprobs)]
+
+    def verify(self, reqs: list, tree: DraftTree) -> tuple[list[Accepted], list[list[float]], Any]:
+        """Run the target over the tree, accept greedily and commit the KV slots."""
+        from backplane.engine.batch_builder import build_verify_batch
+
+        bs, n = tree.batch_size, tree.num_nodes
+        prefix = [r.num_cached for r in reqs]
+        mask, indptr = verify_mask(tree, prefix)
+        positions = (torch.tensor(prefix)[:, None] + tree.depths).view(-1)
+        batch = build_verify_batch(reqs, tree.tokens.view(-1).tolist(), positions.tolist(),
+                                   torch.cat([r.slots[-1] for r in reqs]), n, mask, indptr,
+                                   self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
+        batch.extra["capture_hidden"] = self.capture_hidden
+        output = self.runner.forward(batch)
+        logits = output.logits.view(bs, n, -1)  # [bs, nodes, vocab]
+        choice = logits.argmax(-1)  # the target's greedy token after each node
+        logprobs = torch.log_softmax(logits, -1).gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+        accepted = verify_greedy(tree, choice.cpu())
+        commit_accepted(reqs, [a.path for a in accepted], self.runner.token_to_kv_pool,
+                        self.runner.req_to_token_pool)
+        self.stats.add(accepted)
+        return accepted, logprobs.cpu().tolist(), output

@@ -1,0 +1,95 @@
+"""Shared by the LoRA serving tests (CPU and GPU): a tiny random Llama, PEFT adapters of several
+ranks and targets made with peft, the merged transformers references, and one-forward helpers."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
+from backplane.engine.request import Req
+from backplane.engine.sampling_params import SamplingParams
+from helpers_models import make_hf_model, tiny_hf_config
+
+ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Different ranks, alphas and targets; one rank-stabilised. B is random (init_lora_weights=False).
+ADAPTERS = {
+    "all7_r4": dict(r=4, lora_alpha=8, target_modules=ALL_SEVEN),
+    "qv_down_r8": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+    "kogu_r2": dict(r=2, lora_alpha=3, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]),
+}
+
+
+@dataclass
+class LoraWorld:
+    """base_dir: the saved base model; adapter_dirs: name -> PEFT directory; merged: name -> the
+    transformers model with that adapter merged in (None -> the base model)."""
+
+    base_dir: Path
+    adapter_dirs: dict[str, Path]
+    merged: dict[str | None, torch.nn.Module] = field(default_factory=dict)
+
+    def lora_paths(self, names=None) -> list[str]:
+        return [f"{n}={self.adapter_dirs[n]}" for n in (names or self.adapter_dirs)]
+
+
+def make_lora_world(root: Path, adapters: dict[str, dict] = ADAPTERS) -> LoraWorld:
+    from peft import LoraConfig, get_peft_model
+
+    base = make_hf_model(tiny_hf_config("LlamaForCausalLM"), seed=0)
+    base_dir = root / "base"
+    base.save_pretrained(base_dir, safe_serialization=True)
+    world = LoraWorld(base_dir, {}, {None: base})
+    for i, (name, cfg) in enumerate(adapters.items()):
+        torch.manual_seed(100 + i)
+        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **cfg))
+        with torch.no_grad():  # moderate deltas: visible in the logits, no saturation
+            for pname, param in peft_model.named_parameters():
+                if "lora_" in pname:
+                    param.copy_(0.3 * torch.randn_like(param) / param.shape[-1] ** 0.5)
+        world.adapter_dirs[name] = root / name
+        peft_model.save_pretrained(world.adapter_dirs[name])
+        world.merged[name] = peft_model.merge_and_unload().eval()
+    return world
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [len(ids), vocab] of a transformers model."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def forward_requests(engine, prompts: list[list[int]], adapters: list[str | None],
+                     next_tokens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One mixed prefill (logits of every prompt token) and, with next_tokens, one mixed decode step.
+
+    Goes through the engine's runner and LoRA manager the way the scheduler does.
+    Returns (prefill logits [sum(len(p)), vocab], decode logits [len(prompts), vocab] or None).
+    """
+    runner, manager = engine.runner, engine.lora_manager
+    kv_pool, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
+    reqs = [Req(i, list(p), SamplingParams(), a) for i, (p, a) in enumerate(zip(prompts, adapters))]
+    for req in reqs:
+        req.row = req_pool.alloc()
+    try:
+        batch = build_extend_batch(reqs, [len(p) for p in prompts], kv_pool, req_pool)
+        batch.logits_indices = torch.arange(batch.num_tokens, device=runner.device)
+        manager.prepare_batch(batch, reqs)
+        for req in reqs:
+            req.num_cached = len(req.prompt_ids)
+        prefill = runner.forward(batch).logits.float().cpu()
+        decode = None
+        if next_tokens is not None:
+            for req, token in zip(reqs, next_tokens):
+                req.output_ids.append(token)
+            batch = build_decode_batch(reqs, kv_pool, req_pool)
+            manager.prepare_batch(batch, reqs)
+            decode = runner.forward(batch).logits.float().cpu()
+        return prefill, decode
+    finally:
+        for req in reqs:
+            kv_pool.free(torch.cat(req.slots))
+            req_pool.free(req.row)
