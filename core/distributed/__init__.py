@@ -1,6 +1,6 @@
 """Tensor parallelism on torch.distributed: rank 0 is the Engine's process and drives workers.
 
-`--tp-size N` spawns ranks 1..N-1 (launcher.py); every rank loads the plugins, builds its own
+`--tp-size N` starts ranks 1..N-1 (launcher.py); every rank loads the plugins, builds its own
 ModelRunner on its weight shard and KV pool (sized by its local KV heads), and joins two process
 groups: the tensor group (NCCL on GPU, gloo on CPU) for the layers' collectives, and a gloo group
 for host data. Each forward, rank 0 broadcasts the ForwardBatch's host data (batch_sync.py, with

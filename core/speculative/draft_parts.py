@@ -59,3 +59,17 @@ def make_attention_backend(runner: Any, role: str, req_to_token_pool, token_to_k
         layers=list(layers),
     )
     return choice.spec.factory(ctx)
+
+
+def graph_pool() -> Any:
+    """The process-wide CUDA graph memory pool (shared by the target's and every draft's graphs)."""
+    from backplane.graph_runner import global_graph_pool
+
+    return global_graph_pool()
+
+
+def padded_size(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= batch_size, or None."""
+    from backplane.graph_sizes import padded_size as pick
+
+    return pick(batch_size, sizes)

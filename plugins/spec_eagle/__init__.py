@@ -1,0 +1,18 @@
+"""Speculative algorithm "eagle": an EAGLE draft head drafts a top-k tree from the target's features."""
+
+from backplane import SpecAlgorithmSpec, hookimpl
+
+
+def _factory(ctx):
+    from backplane.plugins.spec_eagle.worker import EagleWorker
+
+    return EagleWorker(ctx)
+
+
+@hookimpl
+def backplane_register_spec_algorithms(register):
+    register(SpecAlgorithmSpec(
+        name="eagle", factory=_factory,
+        description="EAGLE draft head (fc + one decoder layer) drafting a top-k tree, one CUDA graph",
+        needs_draft_model=True, supports_lora=False, supports_sampling=False,
+    ))

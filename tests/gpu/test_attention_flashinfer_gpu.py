@@ -51,7 +51,7 @@ def make_batch(pools: Pools, mode, seq_lens, new_lens, mask=False) -> ForwardBat
     bs, total = len(seq_lens), sum(seq_lens)
     if pools.allocated is not None:
         pools.kv.free(pools.allocated)
-    pools.allocated = pools.kv.alloc(total)
+    pools.allocated = pools.kv.alloc(total).cuda()
     slots = pools.allocated[torch.randperm(total, device="cuda")]
     rows = torch.randperm(pools.req.size)[:bs]
     out_cache_loc, start = [], 0

@@ -169,7 +169,7 @@ def make_backend(gen, num_rows=64):
     ctx = AttentionBackendContext(32, 8, 128, 1, BF16, torch.device("cuda"), req_pool, kv_pool, MAX_CTX)
     filled = MAX_CTX - 8
     rows = [req_pool.alloc() for _ in range(num_rows)]
-    slots = kv_pool.alloc(num_rows * filled)[torch.randperm(num_rows * filled, generator=gen).cuda()]
+    slots = kv_pool.alloc(num_rows * filled)[torch.randperm(num_rows * filled, generator=gen)].cuda()
     req_pool.req_to_token[rows] = torch.nn.functional.pad(slots.view(num_rows, filled).int(), (0, 8))
     cuda_gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     shape = (slots.numel(), 8, 128)

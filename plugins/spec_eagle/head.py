@@ -1,0 +1,87 @@
+"""The EAGLE draft head and its loader.
+
+feature = layer(fc(cat(embed(token), target_feature)))      # [T, hidden]
+logits  = lm_head(norm(feature)) with the target's lm_head
+
+A checkpoint directory holds config.json (Llama-like, one layer) and safetensors with
+`fc.weight` [hidden, 2 * hidden] (optionally `fc.bias`) and `layers.0.*` (or `model.layers.0.*`).
+Optional: `embed_tokens.weight` (else the target's embedding is shared), `layers.0.input_layernorm`
+(EAGLE checkpoints usually drop it: identity), `norm.weight` (else the feature is the residual sum).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backplane.layers.embedding import VocabParallelEmbedding
+from backplane.layers.norm import RMSNorm
+from backplane.speculative.draft_parts import iterate_safetensors, llama_decoder_layer, load_config, load_named_weights
+
+
+class EagleHead(nn.Module):
+    """forward(input_ids [T], target_feature [T, H], positions [T], batch) -> feature [T, H]."""
+
+    def __init__(self, config, model_ctx, target, *, own_embedding: bool, input_norm: bool,
+                 final_norm: bool, fc_bias: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias, dtype=model_ctx.dtype)
+        self.layers = nn.ModuleList([llama_decoder_layer(config, 0, model_ctx)])
+        if not input_norm:
+            self.layers[0].input_layernorm = nn.Identity()
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, model_ctx, model_ctx.dtype) if final_norm else None
+        if own_embedding:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, model_ctx.parallel, model_ctx.dtype)
+        # NOTE: a tuple, not submodules: the target's weights are shared, never loaded here.
+        self._target = (target.model.embed_tokens, target.lm_head)
+        self.vocab_size = int(target.vocab_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if hasattr(self, "embed_tokens") else self._target[0]
+        return table(input_ids)
+
+    def forward(self, input_ids, target_feature, positions, batch) -> torch.Tensor:
+        x = self.fc(torch.cat([self.embed(input_ids), target_feature.to(self.fc.weight.dtype)], dim=-1))
+        hidden, residual = self.layers[0](positions, x, None, batch)
+        if self.norm is None:
+            return hidden + residual
+        return self.norm(hidden, residual)[0]
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """feature [N, H] -> fp32 logits [N, vocab] through the target's lm_head."""
+        return F.linear(feature, self._target[1].weight)[:, : self.vocab_size].float()
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name, tensor in iterate_safetensors(path):
+        tensors[name.removeprefix("model.")] = tensor
+    return tensors
+
+
+def load_eagle_head(path: str, target, model_ctx) -> EagleHead:
+    """Build an EagleHead from the checkpoint directory `path`, sharing the target's embedding and lm_head."""
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--speculative-draft-model {path!r}: expected a directory with config.json and "
+                         "safetensors (the EAGLE checkpoint layout)")
+    config = load_config(folder)
+    if int(config.num_hidden_layers) != 1 or int(config.hidden_size) != int(target.hidden_size):
+        raise ValueError(f"--speculative-draft-model {path!r}: expected one layer of hidden size "
+                         f"{target.hidden_size} (the target's), got {config.num_hidden_layers} layers of "
+                         f"{config.hidden_size}")
+    tensors = _checkpoint_tensors(folder)
+    tensors.pop("lm_head.weight", None)  # the target's lm_head is used
+    if "fc.weight" not in tensors:
+        raise ValueError(f"--speculative-draft-model {path!r}: no 'fc.weight' tensor; got {sorted(tensors)[:6]}")
+    with torch.device(model_ctx.device):
+        head = EagleHead(config, model_ctx, target, own_embedding="embed_tokens.weight" in tensors,
+                         input_norm="layers.0.input_layernorm.weight" in tensors,
+                         final_norm="norm.weight" in tensors, fc_bias="fc.bias" in tensors)
+    head.to(model_ctx.dtype)
+    load_named_weights(head, tensors.items(), strict=True)
+    return head.eval()

@@ -1,0 +1,193 @@
+"""EagleWorker: the draft head drafts a top-k tree from the target's features; the shared path verifies.
+
+Alignment: the draft sees token t_q at position q together with the target's feature of position
+q - 1 (zeros at q = 0), so its KV for position q lives in the slot of the target's KV for q.
+Per request, `spec_state` keeps the target features the draft has not consumed yet: those of
+positions start - 1 .. num_cached - 1, paired with tokens all_ids[start .. num_cached]. One step:
+  1. draft extend over those pending tokens (the last one is the root, at position num_cached),
+  2. the root's top-k children, then num_steps - 1 beam steps (one CUDA graph when captured),
+  3. keep the num_draft_tokens - 1 best candidates by path log-probability as the tree,
+  4. verify; the accepted nodes' target features become the next pending ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backplane.batch import ForwardBatch, ForwardMode
+from backplane.layers.attention import Attention
+from backplane.models.base import ModelContext
+from backplane.speculative import DraftTree, SpecWorker
+
+from .beams import Beams, Candidates, StepInputs, run_beam_steps
+from .head import load_eagle_head
+from .memory import DraftMemory
+
+
+@dataclass
+class EagleState:
+    start: int  # first position whose draft KV is missing
+    features: torch.Tensor  # [num_cached + 1 - start, hidden] target features of positions start - 1 ..
+
+
+class EagleWorker(SpecWorker):
+    capture_hidden = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        args, runner = ctx.args, ctx.runner
+        self.topk, self.num_steps = int(args.speculative_eagle_topk), int(args.speculative_num_steps)
+        most = self.topk + (self.num_steps - 1) * self.topk ** 2
+        if self.num_draft_tokens - 1 > most:
+            raise ValueError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: expected at most {most + 1} "
+                             f"(1 + topk + (num_steps - 1) * topk^2 for topk {self.topk}, num_steps {self.num_steps})")
+        self.model_ctx = ModelContext(ops=runner.model_ctx.ops, dtype=runner.dtype, device=runner.device,
+                                      parallel=runner.model_ctx.parallel)
+        self.head = load_eagle_head(args.speculative_draft_model, runner.model, self.model_ctx)
+        infos = [m.info for m in self.head.modules() if isinstance(m, Attention)]
+        self.memory = DraftMemory(runner, infos[0], self.topk, self.num_steps)
+        mem = self.memory
+        self.extend_backend = ctx.make_attention_backend("prefill", mem.req_pool, mem.kv_pool, infos)
+        # One backend per beam step: a captured multi-step graph needs each step's own static buffers.
+        self.step_backends = [ctx.make_attention_backend("decode", mem.req_pool, mem.kv_pool, infos)
+                              for _ in range(self.num_steps - 1)]
+        self.graphs = None
+
+    def init_cuda_graphs(self) -> None:
+        """Capture the beam steps as one graph per batch size, when the target runs graphs."""
+        if self.num_steps > 1 and self.runner.graph_runner is not None:
+            from .graph import DraftGraphRunner
+
+            self.graphs = DraftGraphRunner(self)
+            self.graphs.capture()
+
+    # -- prefill --------------------------------------------------------------------------------
+
+    def forward_prefill(self, batch, reqs: list, chunks: list[int]):
+        batch.extra["capture_hidden"] = True
+        output = self.runner.forward(batch)
+        offset = 0
+        for req, n in zip(reqs, chunks):
+            features = output.hidden_states[offset:offset + n]
+            offset += n
+            first = req.num_cached - n  # the scheduler has advanced num_cached already
+            if first == 0 or req.spec_state is None:
+                zeros = features.new_zeros((1, features.shape[1]))  # no feature before position 0
+                req.spec_state = EagleState(start=0, features=zeros)
+            state = req.spec_state
+            state.features = torch.cat([state.features, features])
+        return output
+
+    # -- draft ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(self, reqs: list) -> DraftTree:
+        root_tokens, root_scores, root_features = self._extend(reqs)
+        beams = Beams(tokens=root_tokens.view(-1), scores=root_scores,
+                      features=root_features.repeat_interleave(self.topk, 0),
+                      node_ids=torch.arange(1, self.topk + 1, device=root_scores.device).expand(len(reqs), -1))
+        candidates = Candidates(root_tokens, root_scores, torch.zeros_like(root_tokens))
+        if self.num_steps > 1:
+            more = self._beam_steps(reqs, beams)
+            candidates = Candidates(*(torch.cat([a, b], 1) for a, b in zip(
+                (candidates.tokens, candidates.scores, candidates.parents), (more.tokens, more.scores, more.parents))))
+        return select_tree([r.all_ids[-1] for r in reqs], candidates, self.num_draft_tokens)
+
+    def _extend(self, reqs: list):
+        """Draft extend over each request's pending tokens; the root's top-k (tokens, scores) and feature."""
+        mem, device = self.memory, self.runner.device
+        states = [r.spec_state for r in reqs]
+        starts, ends = [s.start for s in states], [r.num_cached + 1 for r in reqs]
+        for st, r in zip(states, reqs):
+            assert st.features.shape[0] == r.num_cached + 1 - st.start, "EAGLE state out of step with the KV cache"
+        lens = [e - s for s, e in zip(starts, ends)]
+        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
+        target_rows = torch.repeat_interleave(torch.tensor([r.row for r in reqs]), torch.tensor(lens))
+        slots = self.runner.req_to_token_pool.req_to_token[target_rows.to(device), positions.to(device)]
+        beam_rows = mem.beam_rows([r.row for r in reqs])  # [bs * topk]
+        for j in range(self.topk):
+            mem.write_rows(target_rows * self.topk + j, positions, slots)
+        self._write_scratch_columns(beam_rows, torch.tensor(ends) - 1)
+        input_ids = [t for r, s in zip(reqs, starts) for t in r.all_ids[s:]]
+        batch = _extend_batch(reqs, input_ids, positions, beam_rows[:: self.topk], starts, lens, slots, mem)
+        self.model_ctx.attn_backend = self.extend_backend
+        self.extend_backend.init_forward_metadata(batch)
+        features = self.head(batch.input_ids, torch.cat([s.features for s in states]), batch.positions, batch)
+        root_features = features[torch.tensor(lens, device=device).cumsum(0) - 1]  # [bs, H]
+        scores, tokens = torch.log_softmax(self.head.logits(root_features), -1).topk(self.topk, dim=-1)
+        return tokens, scores, root_features
+
+    def _write_scratch_columns(self, beam_rows: torch.Tensor, roots: torch.Tensor) -> None:
+        if self.memory.depths == 0:
+            return
+        depths = torch.arange(1, self.memory.depths + 1)
+        cols = (roots.repeat_interleave(self.topk)[:, None] + depths).view(-1)
+        self.memory.write_rows(beam_rows.repeat_interleave(self.memory.depths), cols,
+                               self.memory.scratch(beam_rows).view(-1))
+
+    def beam_step_inputs(self, reqs: list) -> list[StepInputs]:
+        """Positions, output slots and lengths of beam steps 1..num_steps-1 (host-known in advance)."""
+        roots = torch.tensor([r.num_cached for r in reqs]).repeat_interleave(self.topk)
+        scratch = self.memory.scratch(self.memory.beam_rows([r.row for r in reqs]))
+        device = self.runner.device
+        steps = []
+        for i in range(1, self.num_steps):
+            seq = (roots + i + 1).to(torch.int32)
+            steps.append(StepInputs((roots + i).to(device), scratch[:, i - 1].to(device), seq.to(device), seq))
+        return steps
+
+    def _beam_steps(self, reqs: list, beams: Beams) -> Candidates:
+        if self.graphs is not None and self.graphs.can_run(len(reqs)):
+            return self.graphs.replay(reqs, beams)
+        mem = self.memory
+        beam_rows = mem.beam_rows([r.row for r in reqs])
+        return run_beam_steps(self.head, mem.kv_pool, mem.req_pool, beams, beam_rows.to(self.runner.device),
+                              mem.scratch(beam_rows).to(self.runner.device), self.beam_step_inputs(reqs),
+                              self.topk, self.prepare_eager)
+
+    def prepare_eager(self, i: int, batch: ForwardBatch) -> None:
+        self.model_ctx.attn_backend = self.step_backends[i]
+        self.step_backends[i].init_forward_metadata(batch)
+
+    # -- after verify ---------------------------------------------------------------------------
+
+    def after_verify(self, reqs: list, tree: DraftTree, accepted: list, output) -> None:
+        hidden = output.hidden_states.view(len(reqs), tree.num_nodes, -1)
+        for b, (req, acc) in enumerate(zip(reqs, accepted)):
+            start = req.num_cached - len(acc.path) + 1  # the old root's position + 1
+            path = torch.tensor(acc.path, device=hidden.device)
+            req.spec_state = EagleState(start=start, features=hidden[b].index_select(0, path))
+
+
+def _extend_batch(reqs, input_ids, positions, rows, starts, lens, slots, mem: DraftMemory) -> ForwardBatch:
+    device = mem.device
+    seq_cpu = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32)
+    batch = ForwardBatch(ForwardMode.DRAFT_EXTEND, len(reqs), torch.tensor(input_ids, device=device),
+                         positions.to(device), rows.to(device), seq_cpu.to(device), seq_cpu,
+                         slots.to(torch.int64), mem.req_pool, mem.kv_pool)
+    batch.extend_prefix_lens_cpu = torch.tensor(starts, dtype=torch.int32)
+    batch.extend_seq_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+    batch.extend_prefix_lens = batch.extend_prefix_lens_cpu.to(device)
+    batch.extend_seq_lens = batch.extend_seq_lens_cpu.to(device)
+    return batch
+
+
+def select_tree(roots: list[int], candidates: Candidates, num_nodes: int) -> DraftTree:
+    """Keep the num_nodes - 1 candidates of highest path log-probability, plus the root.
+
+    A child's score never exceeds its parent's (log-probabilities are <= 0) and a stable sort puts
+    the parent (smaller id) first on ties, so the kept set always contains every kept node's parent.
+    """
+    tokens, scores, parents = (t.cpu() for t in (candidates.tokens, candidates.scores, candidates.parents))
+    bs, count = scores.shape
+    keep = torch.sort(-scores, dim=1, stable=True).indices[:, : num_nodes - 1].sort(dim=1).values
+    where = torch.full((bs, count + 1), -1, dtype=torch.int64)  # node id -> index in the tree
+    where[:, 0] = 0
+    where.scatter_(1, keep + 1, torch.arange(1, num_nodes).expand(bs, -1).contiguous())
+    tree_parents = where.gather(1, parents.gather(1, keep))
+    assert bool((tree_parents >= 0).all()), "a kept draft node lost its parent"
+    tree_tokens = torch.cat([torch.tensor(roots)[:, None], tokens.gather(1, keep)], 1)
+    parents_full = torch.cat([torch.full((bs, 1), -1, dtype=torch.int64), tree_parents], 1)
+    return DraftTree(tree_tokens.to(torch.int64), parents_full)

@@ -1,0 +1,131 @@
+"""EAGLE on CPU: greedy output equals plain greedy; an exact head reaches full acceptance, a random
+head almost none; the KV pools return to their start; checkpoint layouts and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from backplane import Engine, SamplingParams
+from helpers_models import make_hf_model, tiny_hf_config
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A saved one-layer tiny Llama and its transformers model."""
+    model = make_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=1), seed=3)
+    path = tmp_path_factory.mktemp("target")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def _save_head(path, config, tensors: dict) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    doc = config.to_dict()
+    doc.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    (path / "config.json").write_text(json.dumps(doc))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def exact_head(target, tmp_path_factory):
+    """A head that reproduces the one-layer target: fc picks the token embedding, then the target's
+    own layer 0, final norm and lm_head, so its prediction at every position is the target's."""
+    _, model = target
+    hidden = model.config.hidden_size
+    tensors = {"fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1),
+               "norm.weight": model.model.norm.weight.detach().clone()}
+    for name, value in model.model.layers[0].state_dict().items():
+        tensors[f"model.layers.0.{name}"] = value.detach().clone()  # the model.-prefixed layout
+    return _save_head(tmp_path_factory.mktemp("exact"), model.config, tensors)
+
+
+@pytest.fixture(scope="module")
+def random_head(target, tmp_path_factory):
+    """EAGLE's usual layout: no input norm, no final norm, fc with bias, own embedding."""
+    _, model = target
+    gen = torch.Generator().manual_seed(11)
+    tensors = {}
+    for name, value in model.model.layers[0].state_dict().items():
+        if "input_layernorm" not in name:
+            tensors[f"layers.0.{name}"] = 0.1 * torch.randn(value.shape, generator=gen)
+    h = model.config.hidden_size
+    tensors.update({"fc.weight": 0.1 * torch.randn(h, 2 * h, generator=gen), "fc.bias": 0.1 * torch.randn(h, generator=gen),
+                    "embed_tokens.weight": torch.randn(model.config.vocab_size, h, generator=gen)})
+    return _save_head(tmp_path_factory.mktemp("random"), model.config, tensors)
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 290) for _ in range(rng.randint(1, 30))] for _ in range(count)]
+
+
+def _engines(path, head, **spec):
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=2048,
+              max_running_requests=12)
+    plain = Engine(str(path), **kw)
+    eagle = Engine(str(path), speculative_algorithm="eagle", speculative_draft_model=head, **kw, **spec)
+    return plain, eagle
+
+
+def _check_equal(plain, eagle, prompts, max_new):
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in max_new]
+    want = plain.generate(input_ids=prompts, sampling_params=params)
+    got = eagle.generate(input_ids=prompts, sampling_params=params)
+    for w, g in zip(want, got):
+        assert g.error is None
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("steps, topk, draft_tokens", [(3, 1, 4), (5, 1, 6), (3, 2, 6), (2, 3, 7)])
+def test_exact_head_greedy_equal_and_full_acceptance(target, exact_head, steps, topk, draft_tokens):
+    plain, eagle = _engines(target[0], exact_head, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                            speculative_num_draft_tokens=draft_tokens)
+    prompts = _prompts(steps * 10 + topk, 9)
+    _check_equal(plain, eagle, prompts, [random.Random(i).randint(1, 25) for i in range(9)])
+    stats = eagle.spec_worker.stats
+    if topk == 1:  # a chain: the exact head's drafts are all accepted
+        assert stats.mean_acceptance_length == draft_tokens, stats.histogram
+    else:  # the greedy path is in the tree whenever it scores high enough; most steps gain several
+        assert stats.mean_acceptance_length > 2.0, stats.histogram
+    assert eagle.runner.token_to_kv_pool.num_free == 2048
+
+
+def test_random_head_greedy_equal_and_near_zero_acceptance(target, random_head):
+    plain, eagle = _engines(target[0], random_head, speculative_num_steps=3, speculative_eagle_topk=2,
+                            speculative_num_draft_tokens=5)
+    for batch in (1, 5, 12):
+        _check_equal(plain, eagle, _prompts(batch, batch), [17] * batch)
+    assert eagle.spec_worker.stats.mean_acceptance_length < 1.3
+    assert eagle.runner.token_to_kv_pool.num_free == 2048
+
+
+def test_pool_returns_to_start_under_preemption(target, exact_head):
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch_native")
+    plain = Engine(str(target[0]), max_total_tokens=2048, **kw)
+    tight = Engine(str(target[0]), max_total_tokens=100, chunked_prefill_size=16, max_running_requests=4,
+                   speculative_algorithm="eagle", speculative_draft_model=exact_head, speculative_num_steps=3,
+                   speculative_num_draft_tokens=4, **kw)
+    rows = tight.runner.req_to_token_pool.num_free
+    prompts = [list(range(3 + i, 28 + i)) for i in range(6)]
+    params = SamplingParams(max_new_tokens=20, **GREEDY)
+    want = plain.generate(input_ids=prompts, sampling_params=params)
+    got = tight.generate(input_ids=prompts, sampling_params=params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert tight.runner.token_to_kv_pool.num_free == 100
+    assert tight.runner.req_to_token_pool.num_free == rows
+
+
+def test_bad_draft_model_is_a_clear_error(target, tmp_path):
+    with pytest.raises(ValueError, match="--speculative-algorithm eagle: needs a draft model"):
+        Engine(str(target[0]), device="cpu", speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="expected a directory with config.json"):
+        Engine(str(target[0]), device="cpu", speculative_algorithm="eagle", speculative_draft_model=str(tmp_path))
