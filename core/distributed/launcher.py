@@ -109,7 +109,7 @@ class WorkerHandles:
         while True:
             try:
                 kind, rank, detail = self.reports.get_nowait()
-            except queue_module.Empty:
+            except (queue_module.Empty, OSError, ValueError):  # empty, or closed by stop()
                 return
             if kind == "ready":
                 self.ready.add(rank)

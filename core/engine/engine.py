@@ -84,6 +84,10 @@ class Engine:
         summary = self.runner.backends_summary()
         if self.lora_manager:
             summary["lora"] = self.lora_manager.summary()
+        if self.spec_worker is not None:
+            stats = self.spec_worker.stats
+            summary["speculative"] = {"algorithm": self.spec.name, "num_draft_tokens": self.spec_worker.num_draft_tokens,
+                                      "mean_acceptance_length": stats.mean_acceptance_length}
         return summary
 
     def generate(self, prompts: str | Sequence[str] | None = None,

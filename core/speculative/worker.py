@@ -79,6 +79,12 @@ class SpecWorker(ABC):
         self.runner = ctx.runner
         self.num_draft_tokens = ctx.num_draft_tokens
         self.stats = SpecStats()
+        # Verify writes num_draft_tokens positions from num_cached: they must fit in a request row.
+        room = self.runner.req_to_token_pool.max_context_len - min(self.runner.context_len,
+                                                                   self.runner.token_to_kv_pool.num_slots)
+        if self.num_draft_tokens - 1 > room:
+            raise ValueError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: expected at most {room + 1} "
+                             f"(request rows hold {room} positions past the context length)")
 
     @property
     def slots_per_request(self) -> int:

@@ -96,7 +96,8 @@ class Problem:
 
     def inputs(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [num_rows, in_features] and base output [num_rows, N]."""
-        return self.to_device(self.randn(num_rows, self.in_features)), self.to_device(self.randn(num_rows, self.offsets[-1]))
+        x = self.randn(num_rows, self.in_features)
+        return self.to_device(x), self.to_device(self.randn(num_rows, self.offsets[-1]))
 
     def context(self, max_bs: int, max_tokens: int) -> LoraBackendContext:
         return LoraBackendContext(device=self.device, dtype=self.dtype, max_loras_per_batch=len(RANKS) - 1,
