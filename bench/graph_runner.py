@@ -50,14 +50,32 @@ def bench_backend(model: str, backend: str, sizes: list[int], context: int, step
         measure(runner, bs, 64, 3, eager=False)  # warm-up
         for eager in (True, False):
             rows.append(measure(runner, bs, context, steps, eager) | {"backend": backend})
+    replay = {bs: replay_ms(gr, bs) for bs in sizes} if gr else {}
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    out = {"backend": backend, "rows": rows, "capture_s": gr.capture_seconds if gr else None,
+    out = {"backend": backend, "rows": rows, "replay_ms": replay, "capture_s": gr.capture_seconds if gr else None,
            "graph_memory_mb": gr.graph_memory_bytes / 2**20 if gr else None, "captured_sizes": gr.sizes if gr else [],
            "weight_bytes": weight_bytes, "startup_s": build_s}
     del runner
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def replay_ms(graph_runner, bs: int, reps: int = 50) -> float:
+    """GPU time of the captured decode graph alone (no host-side batch building or sampling)."""
+    from backplane.batch import ForwardMode
+    from backplane.graph_sizes import GraphKey, padded_size
+
+    graph = graph_runner.graphs[GraphKey(ForwardMode.DECODE, padded_size(bs, graph_runner.sizes), 1)]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 @torch.inference_mode()
@@ -98,13 +116,15 @@ def main() -> None:
     floor_ms = results[0]["weight_bytes"] / COPY_BANDWIDTH * 1e3
     print(f"\n{a.model}, context {a.context}, bf16; weight-read floor {floor_ms:.3f} ms; "
           f"transformers eager decode step at batch 1: {hf_ms:.2f} ms")
-    print(f"{'backend':>10} {'bs':>4} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>11} {'graph/floor':>11} {'HF/graph':>9}")
+    print(f"{'backend':>10} {'bs':>4} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>11} {'graph/floor':>11} "
+          f"{'HF/graph':>9} {'replay ms':>9} {'replay/floor':>12}")
     for res in results:
         by = {(r["batch_size"], r["mode"]): r["decode_step_ms"] for r in res["rows"]}
         for bs in a.batch_size:
             e, g = by[(bs, "eager")], by[(bs, "graph")]
             print(f"{res['backend']:>10} {bs:>4} {e:>9.3f} {g:>9.3f} {e / g:>11.2f} {g / floor_ms:>11.2f} "
-                  f"{(hf_ms / g if bs == 1 else float('nan')):>9.1f}")
+                  f"{(hf_ms / g if bs == 1 else float('nan')):>9.1f} {res['replay_ms'][bs]:>9.3f} "
+                  f"{res['replay_ms'][bs] / floor_ms:>12.2f}")
         print(f"{res['backend']:>10} capture {res['capture_s']:.1f} s for {len(res['captured_sizes'])} sizes, "
               f"{res['graph_memory_mb']:.0f} MB")
     if a.out:

@@ -36,6 +36,13 @@ def global_graph_pool():
     return _GRAPH_POOL
 
 
+def _free_after_releasing_cache() -> int:
+    """Free device memory once the allocator's unused cache is returned (graph pools stay held)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
 class GraphCaptureError(RuntimeError):
     pass
 
@@ -162,7 +169,7 @@ class GraphRunner:
         from tqdm import tqdm
 
         keys = self.keys()
-        free_before = torch.cuda.mem_get_info()[0]
+        free_before = _free_after_releasing_cache()
         start = time.perf_counter()
         for key in tqdm(keys, desc="capturing CUDA graphs", leave=False, disable=not sys.stderr.isatty()):
             try:
@@ -171,7 +178,7 @@ class GraphRunner:
                 raise GraphCaptureError(self._failure_message(key, exc)) from exc
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        self.graph_memory_bytes = free_before - _free_after_releasing_cache()
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MB",
                     len(keys), self.sizes, self.capture_seconds, self.graph_memory_bytes / 2**20)
 
