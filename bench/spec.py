@@ -111,7 +111,8 @@ def force_acceptance(worker, oracle: list[int], prompt_len: int) -> None:
         for b, req in enumerate(reqs):
             done = len(req.all_ids) - prompt_len
             want = oracle[done:done + tree.num_nodes - 1]
-            tree.tokens[b, 1:1 + len(want)] = torch.tensor(want)
+            with torch.inference_mode():  # the draft's tensors are inference tensors
+                tree.tokens[b, 1:1 + len(want)] = torch.tensor(want, device=tree.tokens.device)
         return tree
 
     worker.draft = drafted
@@ -123,6 +124,8 @@ def tokens_per_s(engine: Engine, prompt: list[int], n: int) -> tuple[float, list
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = engine.generate(input_ids=[prompt], sampling_params=params)[0]
+    if out.error:
+        raise RuntimeError(f"generation failed, no timing to report: {out.error}")
     torch.cuda.synchronize()
     return n / (time.perf_counter() - start), out.token_ids
 

@@ -36,10 +36,10 @@ class LoraWorld:
         return [f"{n}={self.adapter_dirs[n]}" for n in (names or self.adapter_dirs)]
 
 
-def make_lora_world(root: Path, adapters: dict[str, dict] = ADAPTERS) -> LoraWorld:
+def make_lora_world(root: Path, adapters: dict[str, dict] = ADAPTERS, **config_overrides) -> LoraWorld:
     from peft import LoraConfig, get_peft_model
 
-    base = make_hf_model(tiny_hf_config("LlamaForCausalLM"), seed=0)
+    base = make_hf_model(tiny_hf_config("LlamaForCausalLM", **config_overrides), seed=0)
     base_dir = root / "base"
     base.save_pretrained(base_dir, safe_serialization=True)
     world = LoraWorld(base_dir, {}, {None: base})

@@ -277,7 +277,8 @@ def test_specs_register():
     specs = []
     lora_triton.backplane_register_lora_backends(register=specs.append)
     (spec,) = specs
-    assert (spec.name, spec.supports_graph, spec.priority) == ("triton", True, 50)
+    # interpreted kernels register below torch_native so that `auto` never picks them
+    assert (spec.name, spec.supports_graph, spec.priority) == ("triton", True, -50)
     assert spec.platforms == ("cpu", "cuda") and "bfloat16" not in spec.dtypes  # interpreted
     assert spec.available() is None
     assert isinstance(spec.factory(make_ctx()), type(make_backend("triton")))
