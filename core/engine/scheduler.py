@@ -196,6 +196,15 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def abort(self, req: Req, message: str) -> None:
+        """Abort one queued or running request and return its KV slots and row at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.abort(message)
+
     def abort_all(self, message: str) -> list[Req]:
         """Abort every queued and running request (after an unrecoverable forward error)."""
         reqs = list(self.running) + list(self.waiting)
