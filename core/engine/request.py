@@ -27,7 +27,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
-    text: str = ""
+    text: str | None = None  # set when a stop string cut the output text
     # KV state: the request-pool row and the slots of the first `num_cached` tokens.
     row: int | None = None
     slots: list[torch.Tensor] = field(default_factory=list)
