@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         return ns.handler(ns, plugin_set)
-    except (SettingsError, UsageError, PluginLoadError, ValueError) as err:
+    # FileNotFoundError: a model directory without config.json or weights (messages name the path).
+    except (SettingsError, UsageError, PluginLoadError, ValueError, FileNotFoundError) as err:
         print(f"backplane: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -115,8 +115,8 @@ class Engine:
         except WorkerFailedError:
             raise  # a tensor-parallel rank is gone: the engine cannot go on (its workers are stopped)
         except Exception as exc:  # noqa: BLE001 - a failing forward must not lose the pool
-            logger.exception("forward failed; aborting the running requests")
-            return self.scheduler.abort_all(f"forward pass failed: {type(exc).__name__}: {exc}")
+            logger.exception("forward failed; rolling back its batch (a lone request is aborted)")
+            return self.scheduler.fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
 
     def _make_requests(self, prompts, input_ids, sampling_params, lora) -> list[Req]:
         token_lists = self._token_lists(prompts, input_ids)
@@ -151,7 +151,7 @@ class Engine:
         return [list(self.tokenizer.encode(p)) for p in prompts]
 
     def _output(self, req: Req) -> RequestOutput:
-        text = req.text if (req.params.stop and req.text) else self.decode(req.output_ids)
+        text = req.text if req.text is not None else self.decode(req.output_ids)
         return RequestOutput(
             token_ids=list(req.output_ids), text=text,
             finish_reason=(req.finish_reason or FinishReason.ABORT).value, logprobs=list(req.logprobs),

@@ -45,6 +45,9 @@ class Scheduler:
         self.participants = participants or []
         # A speculative-decoding worker replaces the plain decode step (`decode(reqs, sample_fn)`).
         self.spec_worker = spec_worker
+        # After a failed forward: the requests of the batch being run, and those that run alone.
+        self.current: list[Req] = []
+        self.isolated: set[int] = set()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -71,6 +74,10 @@ class Scheduler:
         if n + m + spare > self.kv_pool.num_slots:
             return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} needs {n + m + spare} KV slots "
                     f"but the pool holds {self.kv_pool.num_slots}; raise --max-total-tokens")
+        vocab = getattr(getattr(self.runner, "hf_config", None), "vocab_size", None)
+        bad = next((t for t in req.prompt_ids if not 0 <= t < vocab), None) if vocab else None
+        if bad is not None:
+            return f"request {req.rid}: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
         return None
 
     @property
@@ -81,11 +88,13 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one prefill or decode batch; return the requests that finished in it."""
+        self.current = []
         prefill = self._schedule_prefill()
         if prefill:
+            self.current = prefill[0]
             return self._run_prefill(*prefill)
-        decode = self._schedule_decode()
-        return self._run_decode(decode) if decode else []
+        self.current = self._schedule_decode()
+        return self._run_decode(self.current) if self.current else []
 
     def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
         reqs, chunks, budget = [], [], self.chunk_size
@@ -96,6 +105,8 @@ class Scheduler:
             is_new = req.row is None
             if budget == 0 or (is_new and len(self.running) + sum(r.row is None for r in reqs) >= self.max_running):
                 break
+            if reqs and req.rid in self.isolated:
+                break
             remaining = len(req.all_ids) - req.num_cached - (1 if req.output_ids else 0)
             n = min(remaining, budget)
             if n > free or (is_new and not self._admissible(req, reqs)):
@@ -104,6 +115,8 @@ class Scheduler:
             chunks.append(n)
             budget -= n
             free -= n
+            if req.rid in self.isolated:
+                break
         if not reqs:
             return None
         for req in reqs:
@@ -127,7 +140,8 @@ class Scheduler:
         while ready and self.kv_pool.num_free < self.decode_slots_per_request * len(ready):
             victim = ready.pop()  # newest first
             self._preempt(victim)
-        return ready
+        alone = [r for r in ready if r.rid in self.isolated]
+        return alone[:1] or ready
 
     @property
     def decode_slots_per_request(self) -> int:
@@ -193,6 +207,7 @@ class Scheduler:
             if req.finished:
                 self._release(req)
                 self.running.remove(req)
+                self.isolated.discard(req.rid)
                 finished.append(req)
         return finished
 
@@ -204,6 +219,30 @@ class Scheduler:
             self.waiting.remove(req)
         self._release(req)
         req.abort(message)
+
+    def fail_batch(self, message: str) -> list[Req]:
+        """After the forward of the current batch raised: roll it back; return the requests aborted.
+
+        A lone request is aborted with `message`. Several are preempted (slots and rows freed, to
+        be recomputed) and from then on each runs alone, so the next failure names the culprit.
+        Requests outside the batch are untouched; without a batch (a failure while scheduling)
+        every request is aborted.
+        """
+        batch = [r for r in self.current if any(r is s for s in self.running)]
+        self.current = []
+        if not batch:
+            return self.abort_all(message)
+        if len(batch) == 1:
+            req = batch[0]
+            self._release(req)
+            self.running.remove(req)
+            self.isolated.discard(req.rid)
+            req.abort(message)
+            return [req]
+        for req in reversed(batch):
+            self._preempt(req)
+            self.isolated.add(req.rid)
+        return []
 
     def abort_all(self, message: str) -> list[Req]:
         """Abort every queued and running request (after an unrecoverable forward error)."""
