@@ -227,3 +227,10 @@ def test_table_lists_every_row():
     assert rows == [f"R{i:02d}" for i in range(1, len(rows) + 1)] and len(rows) >= 30
     for row in rows:
         assert f"| {row} |" in table, row
+
+
+def test_unknown_lora_backend_without_adapters_is_an_error(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--device", "cpu", "--lora-backend", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--lora-backend: unknown backend 'nope'; registered: " in err and "torch_native (plugin 'lora.builtin')" in err

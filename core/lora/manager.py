@@ -203,7 +203,16 @@ def attach_lora(runner: Any) -> LoraManager | None:
     """Build the LoraManager when `--lora-paths` names adapters, and register it with the runner's
     graph contributors (call before `runner.init_cuda_graphs()`); None without adapters."""
     if not runner.args.lora_path_map:
+        _check_unused_backend_name(runner)
         return None
     manager = LoraManager(runner)
     runner.graph_contributors.append(manager)
     return manager
+
+
+def _check_unused_backend_name(runner: Any) -> None:
+    """Without adapters no LoRA backend is built, but a misspelt --lora-backend is still an error."""
+    name, specs = runner.args.lora_backend, runner.registry.specs("lora")
+    if name != "auto" and name not in specs:
+        listing = ", ".join(f"{key} (plugin {runner.registry.provenance('lora', key).plugin!r})" for key in sorted(specs))
+        raise ValueError(f"--lora-backend: unknown backend {name!r}; registered: {listing}, or 'auto'")
