@@ -104,10 +104,7 @@ def _select(registry: Registry, kind: str, name: str, check, flag: str, req) -> 
     specs = registry.specs(kind)
     if name == AUTO:
         return _select_auto(registry, kind, specs, check, flag, req)
-    if name not in specs:
-        raise SelectionError(
-            f"{flag}: unknown backend {name!r}; registered: {_listing(registry, kind)}, or 'auto'"
-        )
+    require_known(registry, kind, name, flag)
     reasons = check(specs[name])
     plugin = registry.provenance(kind, name).plugin
     if reasons:
@@ -119,6 +116,14 @@ def _select(registry: Registry, kind: str, name: str, check, flag: str, req) -> 
             + f" Usable here: {_join(usable) or 'none'}"
         )
     return Selection(specs[name], plugin, f"{name} chosen explicitly by {flag}")
+
+
+def require_known(registry: Registry, kind: str, name: str, flag: str) -> None:
+    """Raise SelectionError listing every registered backend when `name` is neither one nor auto."""
+    if name != AUTO and name not in registry.specs(kind):
+        raise SelectionError(
+            f"{flag}: unknown backend {name!r}; registered: {_listing(registry, kind)}, or 'auto'"
+        )
 
 
 def _select_auto(registry: Registry, kind: str, specs: dict, check, flag: str, req) -> Selection:

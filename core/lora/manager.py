@@ -212,7 +212,6 @@ def attach_lora(runner: Any) -> LoraManager | None:
 
 def _check_unused_backend_name(runner: Any) -> None:
     """Without adapters no LoRA backend is built, but a misspelt --lora-backend is still an error."""
-    name, specs = runner.args.lora_backend, runner.registry.specs("lora")
-    if name != "auto" and name not in specs:
-        listing = ", ".join(f"{key} (plugin {runner.registry.provenance('lora', key).plugin!r})" for key in sorted(specs))
-        raise ValueError(f"--lora-backend: unknown backend {name!r}; registered: {listing}, or 'auto'")
+    from backplane.selection import require_known
+
+    require_known(runner.registry, "lora", runner.args.lora_backend, "--lora-backend")
