@@ -8,15 +8,7 @@
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-if [ -f .device/site.tar.xz ] && [ ! -d /tmp/site ]; then
-  tar -xJf .device/site.tar.xz -C /tmp
-fi
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>/dev/null || echo "flashinfer: not importable"
 status=0

@@ -7,17 +7,7 @@
 # Writes tp1.json / tp2.json and logs under $OUT; prints the comparison and latency table last.
 set -uo pipefail
 what=${1:-all}
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-if [ -f .device/site.tar.xz ] && [ ! -d /tmp/site ]; then
-  tar -xJf .device/site.tar.xz -C /tmp
-fi
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-# Multicast (NVLS) stays off on these machines; every process inherits this.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+. "$(dirname "$0")/device_env.sh"
 num_gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 case "$what" in
   1) sizes="1" ;;
