@@ -1,12 +1,23 @@
-"""End-to-end offline throughput (GPU): the Engine with graphs on, per attention backend, against
-transformers' batched `generate` on the same shapes in the same process, and the read floor.
+"""End-to-end offline throughput: the Engine with graphs on, per attention backend, against
+transformers' batched `generate` on the same shapes in the same process, and the physical floor.
 
     python bench/e2e.py --model llama-3.2-1b --out $OUT/e2e.json
+    python bench/e2e.py --model tiny-llama --device cpu --backends torch_native --requests 8 \
+        --fixed-shape 32 8 --hf-requests 4          # a smoke run on CPU
 
-Workloads: "fixed" (256 requests, 1024 input / 256 output tokens) and "sharegpt-like" (256 requests
-with log-normal input and output lengths, a mix like chat traffic; seeded). Output tokens/s and the
-median time per output token (TPOT) are reported. The floor assumes every decode step reads all
-weights once plus the KV of the running batch, at the copy bandwidth.
+Workloads: "fixed" (256 requests of 1024 input / 256 output tokens) and "sharegpt-like" (256
+requests with log-normal input and output lengths, a chat-like mix; seeded). Reported per backend:
+output tokens/s, the median over requests of the time per output token (TPOT, first token
+excluded), the median time to first token, and the ratios to transformers and to the floor.
+
+transformers runs the first `--hf-requests` requests of the workload as one left-padded batch
+(greedy, every row generating the longest output asked for; only the asked-for tokens count): its
+per-step cost is mostly Python and kernel launches, so a slice of the workload gives its rate
+without spending minutes of device time.
+
+The floor is the time the workload needs if every decode step only reads the weights once and the
+KV of the requests still running (all requests in one batch, at the measured copy bandwidth), and
+the prefill only does the weights' matmul FLOPs at the measured bf16 matmul peak.
 """
 
 from __future__ import annotations
@@ -20,13 +31,14 @@ import time
 
 import torch
 
-COPY_BANDWIDTH = 4.30e12
+COPY_BANDWIDTH = 4.30e12  # B/s, H200 device-to-device copy (../shared/device/README.md)
+MATMUL_PEAK = 680e12  # FLOP/s, bf16 8192^3 matmul, lower end of the measured range
 
 
-def workload(kind: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
+def workload(kind: str, n: int, fixed_shape: tuple[int, int], seed: int = 0) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     if kind == "fixed":
-        return [(1024, 256)] * n
+        return [fixed_shape] * n
     clamp = lambda v, lo, hi: max(lo, min(hi, int(v)))  # noqa: E731
     return [(clamp(rng.lognormvariate(5.5, 1.0), 4, 2048), clamp(rng.lognormvariate(5.0, 0.8), 4, 512))
             for _ in range(n)]
@@ -37,84 +49,138 @@ def prompts_for(shapes, vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, vocab, (n_in,), generator=gen).tolist() for n_in, _ in shapes]
 
 
-def run_engine(model: str, backend: str, shapes) -> dict:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_bytes(runner) -> tuple[int, int, int]:
+    """(weight bytes, KV bytes per token, parameters in the layers' matmuls)."""
+    params = list(runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    pool = runner.token_to_kv_pool
+    kv_per_token = sum(b[0].numel() // b.shape[0] * b.element_size() for b in (*pool.k_buffers, *pool.v_buffers))
+    embed = runner.hf_config.vocab_size * runner.hf_config.hidden_size
+    matmul_params = sum(p.numel() for p in params if p.dim() == 2) - embed  # the lm_head runs once per request
+    return weight_bytes, kv_per_token, matmul_params
+
+
+def floor_seconds(shapes, weight_bytes: int, kv_per_token: int, matmul_params: int) -> float:
+    """Decode: one weight read per step plus the running requests' KV; prefill: 2 * params * tokens FLOPs."""
+    decode_bytes = 0
+    for step in range(max(n_out for _, n_out in shapes) - 1):  # the first token comes from the prefill
+        running = [(n_in, n_out) for n_in, n_out in shapes if n_out - 1 > step]
+        decode_bytes += weight_bytes + kv_per_token * sum(n_in + 1 + step for n_in, _ in running)
+    prefill_flops = 2.0 * matmul_params * sum(n_in for n_in, _ in shapes)
+    return decode_bytes / COPY_BANDWIDTH + prefill_flops / MATMUL_PEAK
+
+
+def run_engine(ns, backend: str, shapes) -> dict:
     from backplane import Engine, SamplingParams
 
-    engine = Engine(model, device="cuda", attention_backend=backend, max_running_requests=256)
-    prompts = prompts_for(shapes, int(engine.runner.hf_config.vocab_size))
+    engine = Engine(ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running)
+    runner = engine.runner
+    prompts = prompts_for(shapes, int(runner.hf_config.vocab_size))
     params = [SamplingParams(max_new_tokens=n_out, temperature=0, ignore_eos=True) for _, n_out in shapes]
     engine.generate(input_ids=prompts[:4], sampling_params=params[:4])  # warm-up
-    steps: list[float] = []
-    last = [time.perf_counter()]
-
-    def progress(_finished):
-        now = time.perf_counter()
-        steps.append(now - last[0])
-        last[0] = now
-
-    torch.cuda.synchronize()
+    _sync(ns.device)
     start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params, progress=progress)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    _sync(ns.device)
     elapsed = time.perf_counter() - start
-    assert all(o.error is None for o in outs)
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{backend}: {len(errors)} requests failed, first: {errors[0]}")
     tokens = sum(len(o.token_ids) for o in outs)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    del engine
+    weight_bytes, kv_per_token, matmul_params = model_bytes(runner)
+    row = {"backend": backend, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+           "tpot_ms": statistics.median(o.tpot_s for o in outs if o.tpot_s is not None) * 1e3,
+           "ttft_ms": statistics.median(o.ttft_s for o in outs) * 1e3,
+           "graphs": runner.graph_runner is not None,
+           "floor_s": floor_seconds(shapes, weight_bytes, kv_per_token, matmul_params),
+           "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token}
+    del engine, runner
     gc.collect()
-    torch.cuda.empty_cache()
-    return {"backend": backend, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
-            "median_step_ms": statistics.median(steps) * 1e3, "weight_bytes": weight_bytes}
+    if ns.device == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 @torch.inference_mode()
-def run_transformers(model: str, shapes, batch: int = 32) -> dict:
-    """Batched greedy generate (left padding), the same requests in groups of `batch`."""
+def run_transformers(ns, shapes) -> dict:
+    """Greedy batched generate of the first `ns.hf_requests` requests (left padding)."""
     from transformers import AutoModelForCausalLM
 
     from backplane.models.presets import get_preset
 
-    hf = AutoModelForCausalLM.from_config(get_preset(model), dtype=torch.bfloat16).cuda().eval()
+    dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
+    with torch.device(ns.device):  # random init on the device: seconds, not minutes, for 8B
+        hf = AutoModelForCausalLM.from_config(get_preset(ns.model), dtype=dtype).eval()
+    shapes = shapes[: ns.hf_requests]
     prompts = prompts_for(shapes, hf.config.vocab_size)
-    torch.cuda.synchronize()
-    start, tokens = time.perf_counter(), 0
-    for i in range(0, len(prompts), batch):
-        group, outs = prompts[i:i + batch], [n for _, n in shapes[i:i + batch]]
-        width = max(map(len, group))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device="cuda")
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
-                    do_sample=False, pad_token_id=0)
-        tokens += sum(outs)  # only the tokens each request asked for count
-    return {"backend": "transformers", "output_tokens": tokens, "seconds": time.perf_counter() - start,
-            "tok_s": tokens / (time.perf_counter() - start)}
+    longest = max(n for _, n in shapes)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=ns.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ns.device)
+    hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    _sync(ns.device)
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                pad_token_id=0)
+    _sync(ns.device)
+    elapsed = time.perf_counter() - start
+    tokens = sum(n for _, n in shapes)
+    del hf
+    gc.collect()
+    return {"backend": "transformers", "requests": len(shapes), "output_tokens": tokens, "seconds": elapsed,
+            "tok_s": tokens / elapsed, "step_ms": elapsed / longest * 1e3}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--fixed-shape", type=int, nargs=2, default=(1024, 256), metavar=("INPUT", "OUTPUT"))
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"])
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--hf-requests", type=int, default=64, help="requests transformers runs (0: skip it)")
     p.add_argument("--out", default=None)
-    a = p.parse_args()
-    report = {"model": a.model, "device": torch.cuda.get_device_name(), "workloads": {}}
-    for kind in a.workloads:
-        shapes = workload(kind, a.requests)
-        rows = [run_engine(a.model, b, shapes) for b in a.backends]
-        if not a.skip_transformers:
-            rows.append(run_transformers(a.model, shapes))
-        report["workloads"][kind] = rows
-        floor_step_ms = rows[0]["weight_bytes"] / COPY_BANDWIDTH * 1e3
-        print(f"\n{a.model} {kind}: {a.requests} requests; weight-read floor per decode step {floor_step_ms:.3f} ms")
-        print(f"{'backend':>13} {'tok/s':>9} {'step ms':>8} {'vs transformers':>15}")
-        hf = next((r["tok_s"] for r in rows if r["backend"] == "transformers"), None)
+    ns = p.parse_args()
+    device_name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
+    report = {"model": ns.model, "device": device_name, "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "workloads": {}}
+    lines = []
+    for kind in ns.workloads:
+        shapes = workload(kind, ns.requests, tuple(ns.fixed_shape))
+        rows = [run_engine(ns, b, shapes) for b in ns.backends]
+        hf = run_transformers(ns, shapes) if ns.hf_requests > 0 else None
+        if hf:
+            rows.append(hf)
         for r in rows:
-            ratio = f"{r['tok_s'] / hf:.1f}x" if hf else "-"
-            print(f"{r['backend']:>13} {r['tok_s']:>9.0f} {r.get('median_step_ms', float('nan')):>8.2f} {ratio:>15}")
-    if a.out:
-        with open(a.out, "w") as f:
+            r["vs_transformers"] = r["tok_s"] / hf["tok_s"] if hf else None
+            if "floor_s" in r:
+                r["floor_tok_s"] = r["output_tokens"] / r["floor_s"]
+                r["vs_floor"] = r["tok_s"] / r["floor_tok_s"]
+        report["workloads"][kind] = {"requests": ns.requests, "input_tokens": sum(i for i, _ in shapes),
+                                     "output_tokens": sum(o for _, o in shapes), "rows": rows}
+        lines.append(f"{ns.model} {kind}: {ns.requests} requests, {sum(i for i, _ in shapes)} input / "
+                     f"{sum(o for _, o in shapes)} output tokens on {device_name}")
+        lines.append(f"{'backend':>13} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} {'x HF':>6} {'floor tok/s':>11} "
+                     f"{'of floor':>8}")
+        for r in rows:
+            vs_hf = f"{r['vs_transformers']:.1f}" if r["vs_transformers"] else "-"
+            floor = f"{r['floor_tok_s']:>11.0f} {r['vs_floor']:>8.0%}" if "floor_s" in r else f"{'-':>11} {'-':>8}"
+            tpot = f"{r['tpot_ms']:>8.2f}" if "tpot_ms" in r else f"{r['step_ms']:>8.2f}"
+            ttft = f"{r['ttft_ms']:>8.0f}" if "ttft_ms" in r else f"{'-':>8}"
+            lines.append(f"{r['backend']:>13} {r['tok_s']:>9.0f} {tpot} {ttft} {vs_hf:>6} {floor}")
+        if hf:
+            lines.append(f"  (transformers: first {hf['requests']} requests in one batch; its TPOT column is its step time)")
+    if ns.out:
+        with open(ns.out, "w") as f:
             json.dump(report, f, indent=1)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

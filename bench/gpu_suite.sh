@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Runs the GPU tests and benchmarks of one area (or all) in one device call.
-#   bench/gpu_suite.sh [tests|bench|all] [pytest -k expression]
-# More than one device call's 10 minutes in all: run `tests` and `bench` as two calls on a warm machine.
-# Tensor parallelism has its own script: bench/tp.sh.
-# Expects the site archive (../shared/device/make-site.sh) carried as .device/.
-# Writes logs and JSON under $OUT and prints a short table last.
+# The GPU tests and benchmarks, in parts that each fit one device call (10 minutes):
+#   bench/gpu_suite.sh tests [pytest -k expression]   every `-m gpu` test, in four parallel groups
+#   bench/gpu_suite.sh kernels    bench/attention.py --sweep, bench/graph_runner.py, bench/lora.py
+#   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
+#   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
+#   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
+#   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
+# Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
+# and benchmarks.png under $OUT; prints a short table last.
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
@@ -12,16 +15,64 @@ kexpr=${2:-}
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' 2>/dev/null || echo "flashinfer: not importable"
 status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu ${kexpr:+-k "$kexpr"} 2>&1 | tee "$out/gpu_tests.log" | tail -40
-  status=${PIPESTATUS[0]}
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 bench/attention.py --out "$out/attention.json" 2>&1 | tee "$out/attention.log" | tail -30
-  python3 bench/graph_runner.py --out "$out/graph_runner.json" 2>&1 | tee "$out/graph_runner.log" | tail -20
-  python3 bench/lora.py --out "$out/lora.json" 2>&1 | tee "$out/lora.log" | tail -10
-  python3 bench/spec.py --backend triton --out "$out/spec.json" 2>&1 | tee "$out/spec.log" | tail -10
-  python3 bench/e2e.py --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" | tail -12
-fi
-grep -E "passed|failed" "$out/gpu_tests.log" 2>/dev/null | tail -1
+summary=()
+
+step() {  # step NAME TIMEOUT COMMAND...: run with a time limit, log to $out/NAME.log, keep the tail
+  local name=$1 limit=$2
+  shift 2
+  timeout -s INT "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || status=1
+  summary+=("$(printf '%-22s rc=%-3s %s' "$name" "$rc" "$(grep -v '^\s*$' "$out/$name.log" | tail -1 | cut -c1-90)")")
+  echo "== $name (rc $rc)"; tail -n "${TAIL:-25}" "$out/$name.log"
+}
+
+run_tests() {
+  # Parallel groups share the GPU (each test sizes its own KV pool) and the CPU cores that
+  # FlashInfer's JIT compiles with; a group hitting its limit still prints pytest's summary (SIGINT).
+  local -A groups=(
+    [tests-flashinfer]="tests/gpu/test_attention_flashinfer_gpu.py"
+    [tests-conformance]="tests/gpu/test_conformance_gpu.py"
+    [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
+    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/test_ops.py tests/test_models_vs_hf.py tests/test_tp.py"
+  )
+  local pids=() names=()
+  for name in "${!groups[@]}"; do
+    # shellcheck disable=SC2086
+    timeout -s INT "${TEST_LIMIT:-500}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
+      ${groups[$name]} ${kexpr:+-k "$kexpr"} > "$out/$name.log" 2>&1 &
+    pids+=($!); names+=("$name")
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; local rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: every test deselected by -k
+    echo "== ${names[$i]} (rc $rc)"; grep -E "^(FAILED|ERROR)" "$out/${names[$i]}.log" | head -20
+    summary+=("$(printf '%-26s rc=%-3s %s' "${names[$i]}" "$rc" "$(grep -E 'passed|failed|error' "$out/${names[$i]}.log" | tail -1)")")
+  done
+}
+
+plot() {
+  python3 bench/plot.py "$out" .device/results --out "$out/benchmarks.png" > "$out/plot.log" 2>&1 \
+    && summary+=("plot: $out/benchmarks.png") || summary+=("plot: failed, see plot.log")
+}
+
+case "$what" in
+  tests) run_tests ;;
+  kernels|all)
+    step attention 300 python3 bench/attention.py --sweep --out "$out/attention.json"
+    step graph_runner 200 python3 bench/graph_runner.py --out "$out/graph_runner.json"
+    step lora 150 python3 bench/lora.py --out "$out/lora.json" ;;&
+  serving|all)
+    step spec 150 python3 bench/spec.py --backend triton --out "$out/spec.json"
+    step tp1 150 python3 bench/tp.py run --tp-size 1 --out "$out/tp1.json"
+    step e2e-llama-3.2-1b 280 python3 bench/e2e.py --model llama-3.2-1b --out "$out/e2e-llama-3.2-1b.json" ;;&
+  e2e-8b|all)
+    step e2e-llama-3.1-8b 500 python3 bench/e2e.py --model llama-3.1-8b --out "$out/e2e-llama-3.1-8b.json"
+    plot ;;
+  plot) plot ;;
+  tests|kernels|serving) ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, plot or all)"; exit 2 ;;
+esac
+echo
+printf '%s\n' "${summary[@]}"
 exit $status

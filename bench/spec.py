@@ -1,14 +1,15 @@
 """Speculative decoding on one GPU, preset llama-3.2-1b (dummy weights).
 
-1. Verify vs decode: one TARGET_VERIFY forward of 8 draft tokens per request against one
-   DECODE step, both through the captured graphs, at batch 1, 4 and 8 (context 512).
+1. Verify vs decode: one runner forward of TARGET_VERIFY with 8 draft tokens per request against
+   one DECODE forward, both through the captured graphs, at batch 1, 4 and 8 (context 512).
 2. End to end at batch 1: tokens/s of greedy generation with EAGLE (chain of 7 steps, 8 draft
-   tokens) at full acceptance against plain decoding, and ngram on a repetitive prompt.
+   tokens) at full acceptance against plain decoding.
    Full acceptance on a 16-layer target needs a draft that knows the target's output: the head is
    random (a real EAGLE layer of the 1B shapes, so every draft step costs what it would), and its
    token choices are replaced by the target's own greedy continuation, computed beforehand.
 
     python bench/spec.py --out spec.json [--backend triton|flashinfer]
+    python bench/spec.py --model tiny-llama --device cpu --backend torch_native --new-tokens 24   # smoke run
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from backplane.engine.batch_builder import build_decode_batch, build_extend_batc
 from backplane.engine.request import Req
 from backplane.speculative import DraftTree, alloc_verify_slots, verify_mask
 
-PRESET, NUM_DRAFT, STEPS = "llama-3.2-1b", 8, 7
-COMMON = dict(device="cuda", dtype="bfloat16", max_total_tokens=60000, context_length=4096,
-              max_running_requests=8, cuda_graph_max_bs=8)
+NUM_DRAFT, STEPS = 8, 7
+COMMON = dict(max_total_tokens=60000, context_length=4096, max_running_requests=8, cuda_graph_max_bs=8)
 
 
-def random_head(folder: Path, config) -> str:
+def random_head(folder: Path, config, dtype: torch.dtype) -> str:
     """An EAGLE checkpoint of the target's shapes with random weights (std 0.02)."""
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -41,8 +41,8 @@ def random_head(folder: Path, config) -> str:
               "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
               "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
               "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
-    tensors = {name: (0.02 * torch.randn(shape)).to(torch.bfloat16) for name, shape in shapes.items()}
-    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    tensors = {name: (0.02 * torch.randn(shape)).to(dtype) for name, shape in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
     save_file(tensors, str(folder / "model.safetensors"))
     doc = config.to_dict()
     doc.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle"])
@@ -50,52 +50,55 @@ def random_head(folder: Path, config) -> str:
     return str(folder)
 
 
-def cuda_ms(fn, repeat: int = 20) -> float:
+def common_dtype(common: dict) -> torch.dtype:
+    return getattr(torch, common["dtype"])
+
+
+def median_ms(fn, device: str, repeat: int = 30) -> float:
+    """Median wall time of `fn` (synchronised), after two warm-up calls."""
     times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    for _ in range(repeat + 2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3
 
 
 @torch.inference_mode()
-def verify_vs_decode(engine: Engine, batch_sizes: list[int], context: int = 512) -> list[dict]:
+def verify_vs_decode(engine: Engine, batch_sizes: list[int], vocab: int, context: int = 512) -> list[dict]:
+    """One runner forward each: DECODE (1 token per request) and TARGET_VERIFY (NUM_DRAFT tokens per
+    request, chain mask), both on batches built beforehand; with graphs each is one replay plus the
+    backend's replay metadata."""
+    from backplane.engine.batch_builder import build_verify_batch
+
     runner = engine.runner
     rows = []
     for bs in batch_sizes:
-        reqs = [Req(i, torch.randint(3, 1000, (context,)).tolist(), SamplingParams()) for i in range(bs)]
+        reqs = [Req(i, torch.randint(3, vocab, (context,)).tolist(), SamplingParams()) for i in range(bs)]
         for req in reqs:
             req.row = runner.req_to_token_pool.alloc()
         runner.forward(build_extend_batch(reqs, [context] * bs, runner.token_to_kv_pool, runner.req_to_token_pool))
         for req in reqs:
             req.num_cached = context - 1  # the last prompt token plays the last generated one
-
-        def decode():
-            batch = build_decode_batch(reqs, runner.token_to_kv_pool, runner.req_to_token_pool)
-            runner.forward(batch)
-            for req in reqs:
-                runner.token_to_kv_pool.free(req.slots.pop())
-
-        def verify():
-            alloc_verify_slots(reqs, NUM_DRAFT, runner.token_to_kv_pool, runner.req_to_token_pool)
-            tree = DraftTree.chain(torch.randint(3, 1000, (bs, NUM_DRAFT)))
-            mask, indptr = verify_mask(tree, [r.num_cached for r in reqs])
-            from backplane.engine.batch_builder import build_verify_batch
-            positions = (torch.tensor([r.num_cached for r in reqs])[:, None] + tree.depths).view(-1)
-            batch = build_verify_batch(reqs, tree.tokens.view(-1).tolist(), positions.tolist(),
-                                       torch.cat([r.slots[-1] for r in reqs]), NUM_DRAFT, mask, indptr,
-                                       runner.req_to_token_pool, runner.token_to_kv_pool)
-            runner.forward(batch)
-            for req in reqs:
-                runner.token_to_kv_pool.free(req.slots.pop())
-
-        d, v = cuda_ms(decode), cuda_ms(verify)
+        decode_batch = build_decode_batch(reqs, runner.token_to_kv_pool, runner.req_to_token_pool)
+        for req in reqs:
+            runner.token_to_kv_pool.free(req.slots.pop())
+        slots = alloc_verify_slots(reqs, NUM_DRAFT, runner.token_to_kv_pool, runner.req_to_token_pool)
+        tree = DraftTree.chain(torch.randint(3, vocab, (bs, NUM_DRAFT)))
+        mask, indptr = verify_mask(tree, [r.num_cached for r in reqs])
+        positions = (torch.tensor([r.num_cached for r in reqs])[:, None] + tree.depths).view(-1)
+        verify_batch = build_verify_batch(reqs, tree.tokens.view(-1).tolist(), positions.tolist(), slots, NUM_DRAFT,
+                                          mask, indptr, runner.req_to_token_pool, runner.token_to_kv_pool)
+        d = median_ms(lambda: runner.forward(decode_batch), runner.device.type)
+        v = median_ms(lambda: runner.forward(verify_batch), runner.device.type)
+        graphs = runner.graph_runner
         rows.append({"batch_size": bs, "decode_ms": d, "verify_ms": v, "ratio": v / d,
-                     "verify_graph": runner.graph_runner is not None})
+                     "decode_graph": graphs is not None and graphs.key_for(decode_batch) is not None,
+                     "verify_graph": graphs is not None and graphs.key_for(verify_batch) is not None})
         for req in reqs:
             runner.token_to_kv_pool.free(torch.cat(req.slots))
             runner.req_to_token_pool.free(req.row)
@@ -121,38 +124,49 @@ def force_acceptance(worker, oracle: list[int], prompt_len: int) -> None:
 def tokens_per_s(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
     params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
-    torch.cuda.synchronize()
+    cuda = engine.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     out = engine.generate(input_ids=[prompt], sampling_params=params)[0]
     if out.error:
         raise RuntimeError(f"generation failed, no timing to report: {out.error}")
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return n / (time.perf_counter() - start), out.token_ids
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="triton")
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--out", default=None)
     ns = p.parse_args()
-    prompt = torch.randint(3, 1000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    plain = Engine(PRESET, attention_backend=ns.backend, **COMMON)
+    from backplane.models.presets import get_preset
+
+    vocab = min(1000, get_preset(ns.model).vocab_size)
+    prompt = torch.randint(3, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    common = dict(COMMON, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32")
+    plain = Engine(ns.model, attention_backend=ns.backend, **common)
     plain_tps, oracle = tokens_per_s(plain, prompt, ns.new_tokens)
     config = plain.runner.hf_config
     del plain
-    torch.cuda.empty_cache()
+    if ns.device == "cuda":
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
-        head = random_head(Path(folder), config)
-        eagle = Engine(PRESET, attention_backend=ns.backend, speculative_algorithm="eagle", speculative_draft_model=head,
+        head = random_head(Path(folder), config, common_dtype(common))
+        eagle = Engine(ns.model, attention_backend=ns.backend, speculative_algorithm="eagle", speculative_draft_model=head,
                        speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=NUM_DRAFT,
-                       **COMMON)
-    verify_rows = verify_vs_decode(eagle, [1, 4, 8])
+                       **common)
+    verify_rows = verify_vs_decode(eagle, [1, 4, 8], vocab)
     force_acceptance(eagle.spec_worker, oracle + [0] * NUM_DRAFT, len(prompt))
     eagle_tps, eagle_ids = tokens_per_s(eagle, prompt, ns.new_tokens)
     stats = eagle.spec_worker.stats
     report = {
-        "preset": PRESET, "backend": ns.backend, "device": torch.cuda.get_device_name(),
+        "preset": ns.model, "backend": ns.backend,
+        "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
         "verify_vs_decode": verify_rows,
         "batch1": {"plain_tok_s": plain_tps, "eagle_full_acceptance_tok_s": eagle_tps,
                    "speedup": eagle_tps / plain_tps, "acceptance_length": stats.mean_acceptance_length,

@@ -5,6 +5,11 @@ For each batch size: prefill `--input-len` random tokens per request in one batc
 Reports prefill latency/throughput, median decode step latency/throughput, capture time, graph
 memory and which plugins served the run; `--json` prints one document, `--plot` draws decode
 latency against batch size.
+
+The model is built as the Engine builds it, so `--lora-paths` (requests take the adapters in turn)
+and `--speculative-algorithm` apply. With speculation, each batch size also runs greedy generation
+through the speculative worker and reports its tokens/s and mean acceptance length (tokens gained
+per request per verify step, 1 to --speculative-num-draft-tokens).
 """
 
 from __future__ import annotations
@@ -39,18 +44,19 @@ def _sync(device: torch.device) -> None:
 class OneBatch:
     """A batch of `bs` requests held in the runner's pools for the length of one measurement."""
 
-    def __init__(self, runner, bs: int, input_len: int, seed: int):
+    def __init__(self, runner, bs: int, input_len: int, seed: int, lora=None):
         gen = torch.Generator().manual_seed(seed)
         vocab = int(runner.hf_config.vocab_size)
-        self.runner = runner
-        self.reqs = [Req(i, torch.randint(3, vocab, (input_len,), generator=gen).tolist(), SamplingParams())
-                     for i in range(bs)]
+        self.runner, self.lora = runner, lora
+        names = sorted(lora.adapters)[: lora.max_loras_per_batch] if lora is not None else [None]
+        self.reqs = [Req(i, torch.randint(3, vocab, (input_len,), generator=gen).tolist(), SamplingParams(),
+                         names[i % len(names)]) for i in range(bs)]
         for req in self.reqs:
             req.row = runner.req_to_token_pool.alloc()
 
     def prefill(self) -> torch.Tensor:
-        batch = build_extend_batch(self.reqs, [len(r.prompt_ids) for r in self.reqs],
-                                   self.runner.token_to_kv_pool, self.runner.req_to_token_pool)
+        batch = self._prepared(build_extend_batch(self.reqs, [len(r.prompt_ids) for r in self.reqs],
+                                                  self.runner.token_to_kv_pool, self.runner.req_to_token_pool))
         logits = self.runner.forward(batch).logits
         for req in self.reqs:
             req.num_cached = len(req.prompt_ids)
@@ -59,11 +65,17 @@ class OneBatch:
     def decode(self, tokens: torch.Tensor, eager: bool) -> torch.Tensor:
         for req, token in zip(self.reqs, tokens.tolist()):
             req.output_ids.append(token)
-        batch = build_decode_batch(self.reqs, self.runner.token_to_kv_pool, self.runner.req_to_token_pool)
+        batch = self._prepared(build_decode_batch(self.reqs, self.runner.token_to_kv_pool,
+                                                  self.runner.req_to_token_pool))
         for req in self.reqs:
             req.num_cached += 1
         out = self.runner.forward_eager(batch) if eager else self.runner.forward(batch)
         return out.logits.argmax(-1)
+
+    def _prepared(self, batch):
+        if self.lora is not None:
+            self.lora.prepare_batch(batch, self.reqs)
+        return batch
 
     def release(self) -> None:
         for req in self.reqs:
@@ -72,9 +84,10 @@ class OneBatch:
 
 
 @torch.inference_mode()
-def measure(runner, bs: int, input_len: int, output_len: int, eager: bool, seed: int = 0) -> dict[str, Any]:
+def measure(runner, bs: int, input_len: int, output_len: int, eager: bool, seed: int = 0,
+            lora=None) -> dict[str, Any]:
     device = runner.device
-    one = OneBatch(runner, bs, input_len, seed)
+    one = OneBatch(runner, bs, input_len, seed, lora)
     try:
         _sync(device)
         start = time.perf_counter()
@@ -95,21 +108,51 @@ def measure(runner, bs: int, input_len: int, output_len: int, eager: bool, seed:
             "decode_tok_s": bs / median}
 
 
-def run_bench(ns: argparse.Namespace, args, plugin_set) -> int:
-    from backplane.model_runner import ModelRunner
+def measure_speculative(engine, bs: int, input_len: int, output_len: int, seed: int = 0) -> dict[str, Any]:
+    """Greedy generation of `bs` random prompts through the speculative worker: tokens/s, acceptance."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(engine.runner.hf_config.vocab_size)
+    prompts = [torch.randint(3, vocab, (input_len,), generator=gen).tolist() for _ in range(bs)]
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    stats = engine.spec_worker.stats
+    tokens_before, steps_before = stats.tokens, stats.request_steps
+    _sync(engine.runner.device)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    _sync(engine.runner.device)
+    elapsed = time.perf_counter() - start
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"speculative generation at batch size {bs} failed: {errors[0]}")
+    steps = stats.request_steps - steps_before
+    return {"batch_size": bs, "tok_s": sum(len(o.token_ids) for o in outs) / elapsed,
+            "acceptance_length": (stats.tokens - tokens_before) / max(steps, 1), "verify_steps": steps}
 
-    runner = ModelRunner(args, plugin_set)
-    runner.init_cuda_graphs()
+
+def run_bench(ns: argparse.Namespace, args, plugin_set) -> int:
+    from backplane.engine import Engine
+
+    engine = Engine(server_args=args, plugin_set=plugin_set)
+    runner, lora = engine.runner, engine.lora_manager
     modes = [True] + ([False] if runner.graph_runner is not None else [])
     for bs in ns.batch_size:  # warm-up pass: kernels compile and autotune outside the timings
-        measure(runner, bs, min(ns.input_len, 64), 2, eager=True)
-    rows = [measure(runner, bs, ns.input_len, ns.output_len, eager) for bs in ns.batch_size for eager in modes]
+        measure(runner, bs, min(ns.input_len, 64), 2, eager=True, lora=lora)
+    rows = [measure(runner, bs, ns.input_len, ns.output_len, eager, lora=lora)
+            for bs in ns.batch_size for eager in modes]
     gr = runner.graph_runner
+    backends = engine.backends
     report = {"model": args.model, "input_len": ns.input_len, "output_len": ns.output_len,
-              "backends": runner.backends_summary(), "results": rows,
+              "backends": backends, "results": rows,
               "graph": None if gr is None else {"batch_sizes": gr.sizes, "capture_s": gr.capture_seconds,
                                                 "memory_mb": gr.graph_memory_bytes / 2**20},
               "graph_mode_limits": [m.message() for m in runner.graph_mode_limits]}
+    if engine.spec_worker is not None:
+        measure_speculative(engine, 1, min(ns.input_len, 64), 4)  # warm-up
+        report["speculative"] = {
+            "algorithm": backends["speculative"]["algorithm"],
+            "num_draft_tokens": engine.spec_worker.num_draft_tokens,
+            "results": [measure_speculative(engine, bs, ns.input_len, ns.output_len) for bs in ns.batch_size],
+        }
     print(json.dumps(report, indent=2) if ns.json else format_report(report))
     if ns.plot:
         plot_decode(report, ns.plot)
@@ -129,6 +172,15 @@ def format_report(report: dict[str, Any]) -> str:
     for r in report["results"]:
         lines.append(f"{r['batch_size']:>4} {r['mode']:>6} {r['prefill_ms']:>11.2f} {r['prefill_tok_s']:>14.0f} "
                      f"{r['decode_step_ms']:>10.3f} {r['decode_tok_s']:>13.0f}")
+    if "lora" in report["backends"]:
+        lora = report["backends"]["lora"]
+        lines.append(f"LoRA backend {lora['backend']}: requests take the adapters {', '.join(sorted(lora['adapters']))} in turn")
+    spec = report.get("speculative")
+    if spec:
+        lines.append(f"speculative {spec['algorithm']} ({spec['num_draft_tokens']} draft tokens), greedy generation:")
+        lines.append(f"{'bs':>4} {'tok/s':>9} {'acceptance length':>18}")
+        for r in spec["results"]:
+            lines.append(f"{r['batch_size']:>4} {r['tok_s']:>9.0f} {r['acceptance_length']:>18.2f}")
     return "\n".join(lines)
 
 

@@ -29,11 +29,17 @@ _GRAPH_POOL = None  # NOTE: one pool per process by design (shared by target and
 
 
 def global_graph_pool():
-    """The process-wide CUDA graph memory pool every runner captures into."""
+    """The process-wide CUDA graph memory pool every runner captures into.
+
+    The pool is a `torch.cuda.MemPool` held here for the life of the process, so it outlives any
+    one runner: a bare `graph_pool_handle()` pool dies with the last graph captured into it, and a
+    later capture under the same handle (a runner built after another was freed) then trips the
+    caching allocator's pool reference count.
+    """
     global _GRAPH_POOL
     if _GRAPH_POOL is None:
-        _GRAPH_POOL = torch.cuda.graph_pool_handle()
-    return _GRAPH_POOL
+        _GRAPH_POOL = torch.cuda.MemPool()
+    return _GRAPH_POOL.id
 
 
 def _free_after_releasing_cache() -> int:

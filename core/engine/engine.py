@@ -155,8 +155,17 @@ class Engine:
         return RequestOutput(
             token_ids=list(req.output_ids), text=text,
             finish_reason=(req.finish_reason or FinishReason.ABORT).value, logprobs=list(req.logprobs),
-            prompt_token_ids=req.prompt_ids, error=req.error,
+            prompt_token_ids=req.prompt_ids, error=req.error, **_timings(req),
         )
+
+
+def _timings(req: Req) -> dict[str, float | None]:
+    if req.first_token_at is None:
+        return {}
+    ttft = req.first_token_at - req.created_at
+    n = len(req.output_ids)
+    tpot = (req.finished_at - req.first_token_at) / (n - 1) if req.finished_at is not None and n > 1 else None
+    return {"ttft_s": ttft, "tpot_s": tpot}
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

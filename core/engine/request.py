@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,10 @@ class Req:
     num_cached: int = 0
     generator: torch.Generator | None = None
     spec_state: Any = None
+    # time.perf_counter() when the request was created, got its first token, and finished
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -65,6 +70,8 @@ class RequestOutput:
     logprobs: list[float]
     prompt_token_ids: list[int]
     error: str | None = None
+    ttft_s: float | None = None  # time to first token, from the request's arrival (seconds)
+    tpot_s: float | None = None  # mean time per output token after the first (seconds)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,

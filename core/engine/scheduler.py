@@ -11,6 +11,7 @@ context or the whole pool) is aborted with a clear error while the others go on.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -198,13 +199,17 @@ class Scheduler:
     def _advance(self, reqs: list[Req], new: list[tuple[list[int], list[float]]]) -> list[Req]:
         """Append each request's new tokens (one, or several accepted drafts) until it stops."""
         finished = []
+        now = time.perf_counter()
         for req, (tokens, logprobs) in zip(reqs, new):
+            if req.first_token_at is None and tokens:
+                req.first_token_at = now
             for token, logprob in zip(tokens, logprobs):
                 req.output_ids.append(token)
                 req.logprobs.append(logprob)
                 if check_stop(req, self.eos_token_ids, self.detokenize):
                     break
             if req.finished:
+                req.finished_at = now
                 self._release(req)
                 self.running.remove(req)
                 self.isolated.discard(req.rid)

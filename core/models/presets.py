@@ -71,20 +71,27 @@ def get_preset(name: str):
     return PRESETS[name]()
 
 
-def dummy_weights(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full fp32 CPU tensor) for each checkpoint tensor: ones for norms, N(0, 0.02) otherwise.
+def dummy_weights(
+    shapes: list[tuple[str, tuple[int, ...]]], seed: int, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full fp32 tensor on `device`) for each checkpoint tensor: ones for norms, N(0, 0.02) otherwise.
 
-    Each tensor is drawn from its own CPU generator seeded by (seed, its index), so the values do
-    not depend on the device, the dtype or the tensor-parallel split of the model they go into.
+    Each tensor is drawn from its own generator on `device` seeded by (seed, its index), so on one
+    kind of device the values do not depend on the dtype or the tensor-parallel split of the model
+    they go into (every rank draws the same full tensor and keeps its shard). Drawing on the GPU
+    keeps an 8B preset's start-up in seconds instead of a minute of CPU sampling.
     """
+    device = torch.device(device)
     for index, (name, shape) in enumerate(shapes):
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape)
+            yield name, torch.ones(shape, device=device)
             continue
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63))
-        yield name, torch.randn(shape, generator=generator) * DUMMY_STD
+        generator = torch.Generator(device).manual_seed((seed * 1_000_003 + index) % (2**63))
+        yield name, torch.randn(shape, generator=generator, device=device) * DUMMY_STD
 
 
 def init_dummy_weights(model, seed: int) -> None:
-    """Fill `model` (a model with `checkpoint_shapes()` and `load_weights`) with deterministic weights."""
-    model.load_weights(dummy_weights(model.checkpoint_shapes(), seed))
+    """Fill `model` (a model with `checkpoint_shapes()` and `load_weights`) with deterministic weights,
+    drawn on the device the model lives on."""
+    device = next(model.parameters()).device
+    model.load_weights(dummy_weights(model.checkpoint_shapes(), seed, device))

@@ -72,3 +72,25 @@ def test_second_runner_shares_the_pool():
     second.capture()
     print(f"graph memory: first capture {first / 2**20:.1f} MB, second into the shared pool {second.graph_memory_bytes / 2**20:.1f} MB")
     assert second.graph_memory_bytes < 0.5 * max(first, 1)
+
+
+def test_runner_built_after_another_was_freed_captures_and_replays():
+    """The process pool outlives its runners: free one engine's graphs, capture a new engine's, replay."""
+    import gc
+
+    from backplane.graph_runner import global_graph_pool
+
+    prompts = [[5 + i, 7, 9 + 2 * i] * (i + 2) for i in range(6)]
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    first = _engine("triton")
+    want = [o.token_ids for o in first.generate(input_ids=prompts, sampling_params=params)]
+    pool = global_graph_pool()
+    del first
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    second = _engine("triton")
+    assert global_graph_pool() == pool
+    assert second.runner.graph_runner is not None and second.runner.graph_runner.graphs
+    got = [o.token_ids for o in second.generate(input_ids=prompts, sampling_params=params)]
+    assert got == want
