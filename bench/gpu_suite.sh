@@ -36,19 +36,28 @@ run_tests() {
     [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
     [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/test_ops.py tests/test_models_vs_hf.py tests/test_tp.py"
   )
+  # Tests that measure graph memory read the device's free memory: they run alone, afterwards.
+  local serial="share_the_pool or shares_the_pool"
   local pids=() names=()
   for name in "${!groups[@]}"; do
     # shellcheck disable=SC2086
-    timeout -s INT "${TEST_LIMIT:-500}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
-      ${groups[$name]} ${kexpr:+-k "$kexpr"} > "$out/$name.log" 2>&1 &
+    timeout -s INT "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rfEP -p no:cacheprovider --durations=5 \
+      ${groups[$name]} -k "not ($serial)${kexpr:+ and ($kexpr)}" > "$out/$name.log" 2>&1 &
     pids+=($!); names+=("$name")
   done
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; local rc=$?
-    [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: every test deselected by -k
-    echo "== ${names[$i]} (rc $rc)"; grep -E "^(FAILED|ERROR)" "$out/${names[$i]}.log" | head -20
-    summary+=("$(printf '%-26s rc=%-3s %s' "${names[$i]}" "$rc" "$(grep -E 'passed|failed|error' "$out/${names[$i]}.log" | tail -1)")")
+    test_summary "${names[$i]}" $rc
   done
+  timeout -s INT 120 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -s tests/gpu/test_graph_runner_gpu.py \
+    tests/gpu/test_spec_gpu.py -k "($serial)${kexpr:+ and ($kexpr)}" > "$out/tests-graph-memory.log" 2>&1
+  test_summary tests-graph-memory $?
+}
+
+test_summary() {  # test_summary NAME RC
+  [ "$2" -eq 0 ] || [ "$2" -eq 5 ] || status=1  # 5: every test deselected by -k
+  echo "== $1 (rc $2)"; grep -E "^(FAILED|ERROR)" "$out/$1.log" | head -20
+  summary+=("$(printf '%-26s rc=%-3s %s' "$1" "$2" "$(grep -E 'passed|failed|error' "$out/$1.log" | tail -1)")")
 }
 
 plot() {
