@@ -4,10 +4,12 @@
 #   bench/gpu_suite.sh kernels    bench/attention.py --sweep, bench/graph_runner.py, bench/lora.py
 #   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
+#   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile, LoRA kernels
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
-# and benchmarks.png under $OUT; prints a short table last.
+# and benchmarks.png under $OUT; prints a short table last. TEST_GROUPS="tests-flashinfer ..." runs
+# only those test groups.
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
@@ -40,6 +42,7 @@ run_tests() {
   local serial="share_the_pool or shares_the_pool"
   local pids=() names=()
   for name in "${!groups[@]}"; do
+    if [ -n "${TEST_GROUPS:-}" ] && [[ " $TEST_GROUPS " != *" $name "* ]]; then continue; fi
     # shellcheck disable=SC2086
     timeout -s INT "${TEST_LIMIT:-420}" python3 -m pytest -m gpu -q -rfEP -p no:cacheprovider --durations=5 \
       ${groups[$name]} -k "not ($serial)${kexpr:+ and ($kexpr)}" > "$out/$name.log" 2>&1 &
@@ -78,6 +81,10 @@ case "$what" in
   e2e-8b|all)
     step e2e-llama-3.1-8b 500 python3 bench/e2e.py --model llama-3.1-8b --out "$out/e2e-llama-3.1-8b.json"
     plot ;;
+  recheck)
+    step attention-decode 200 python3 bench/attention.py --only decode --out "$out/attention-decode.json"
+    step spec 200 python3 bench/spec.py --backend triton --profile --out "$out/spec.json"
+    step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
   *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, plot or all)"; exit 2 ;;

@@ -49,6 +49,18 @@ def _free_after_releasing_cache() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def pool_bytes(pool) -> int:
+    """Bytes of device memory the caching allocator holds in the graph pool `pool` (an id tuple).
+
+    What capturing into a pool costs is its growth: memory reused from blocks that earlier
+    captures freed does not count, nor does anything outside the pool (warm-up caches, library
+    workspaces, other processes on the device).
+    """
+    pool = tuple(pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) == pool)
+
+
 class GraphCaptureError(RuntimeError):
     pass
 
@@ -163,7 +175,8 @@ class GraphRunner:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, ModelOutput] = {}
         self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
+        self.graph_memory_bytes = 0  # growth of the graph pool during capture
+        self.device_memory_bytes = 0  # drop of the device's free memory during capture (all causes)
 
     def keys(self) -> list[GraphKey]:
         return [GraphKey(mode, bs, self.tokens_per_request[mode], extras)
@@ -176,6 +189,7 @@ class GraphRunner:
 
         keys = self.keys()
         free_before = _free_after_releasing_cache()
+        pool_before = pool_bytes(global_graph_pool())
         start = time.perf_counter()
         for key in tqdm(keys, desc="capturing CUDA graphs", leave=False, disable=not sys.stderr.isatty()):
             try:
@@ -184,9 +198,11 @@ class GraphRunner:
                 raise GraphCaptureError(self._failure_message(key, exc)) from exc
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = free_before - _free_after_releasing_cache()
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.0f MB",
-                    len(keys), self.sizes, self.capture_seconds, self.graph_memory_bytes / 2**20)
+        self.device_memory_bytes = free_before - _free_after_releasing_cache()
+        self.graph_memory_bytes = pool_bytes(global_graph_pool()) - pool_before
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s: graph pool +%.0f MB (device %.0f MB)",
+                    len(keys), self.sizes, self.capture_seconds, self.graph_memory_bytes / 2**20,
+                    self.device_memory_bytes / 2**20)
 
     def fill_for(self, key: GraphKey) -> int:
         """seq_len of padded requests: the backend's value, but at least the new tokens of a verify."""

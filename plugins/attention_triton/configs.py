@@ -14,11 +14,16 @@ import torch
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """block_n: keys per loop step; min_split: fewest keys worth a split of their own."""
+    """block_n: keys per loop step; min_split: fewest keys worth a split of their own.
+
+    On the H200, GQA 32/8, head dim 128, bf16 (bench/attention.py --sweep, 2026-12-03), four
+    pipeline stages are what lets the gathered page-size-1 loads reach 90-93% of the copy
+    bandwidth; two stages stopped at 71-74%.
+    """
 
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 4
     min_split: int = 128
     merge_num_warps: int = 4
 
@@ -41,9 +46,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 @functools.lru_cache(maxsize=None)
 def decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     if device.type != "cuda":
-        return DecodeConfig(block_n=32, min_split=64)
+        return DecodeConfig(block_n=32, min_split=64, num_stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    major, minor = torch.cuda.get_device_capability(device)
+    if not (major >= 9 or (major, minor) == (8, 0)):  # 4 stages of K and V tiles need ~128 KB of shared memory
+        return DecodeConfig(num_stages=2)
     return DecodeConfig()
 
 
@@ -72,13 +80,14 @@ def num_sms(device: torch.device) -> int:
 
 def choose_num_kv_splits(
     batch_size: int, num_kv_heads: int, max_kv_len: int, device: torch.device, max_splits: int,
-    waves: int = 8,
+    waves: int = 3,
 ) -> int:
     """Splits per request so that stage 1 has about `waves` programs per SM.
 
     Long requests in small batches get many splits; big batches get few, which keeps the
     partial-result traffic (bs * heads * splits * v_dim floats) small next to the KV read. The
-    kernel still caps each request at ceil(kv_len / min_split) splits.
+    kernel still caps each request at ceil(kv_len / min_split) splits. Three waves is what the
+    H200 sweep picked (batch 16 x 4096: 4 splits, batch 64: 1, batch 1: 32); eight over-split.
     """
     programs = max(batch_size * num_kv_heads, 1)
     wanted = -(-waves * num_sms(device) // programs)

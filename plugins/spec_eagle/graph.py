@@ -61,12 +61,14 @@ class DraftGraphRunner:
     # -- capture --------------------------------------------------------------------------------
 
     def capture(self) -> None:
-        free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+        from backplane.graph_runner import pool_bytes
+
+        pool_before, start = pool_bytes(self.pool), time.perf_counter()
         for bs in reversed(self.sizes):
             self._capture_one(bs)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+        self.graph_memory_bytes = pool_bytes(self.pool) - pool_before  # growth of the pool it captures into
 
     def _capture_one(self, bs: int) -> None:
         n = bs * self.topk

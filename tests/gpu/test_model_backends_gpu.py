@@ -1,7 +1,8 @@
 """The whole model through each GPU attention backend gives torch_native's greedy tokens (bf16, GPU).
 
-Tiny random Llamas with large logit margins (weights 0.3 * randn), so a token differs only where
-the backends' bf16 roundings meet a near-tie; the test allows one request in eight to drift.
+Tiny random Llamas with large logit margins (weights 0.3 * randn). Two bf16 pipelines may still
+part ways where two tokens tie within rounding: every divergence must be such a near-tie of the
+fp32 model (greedy_ties), and most requests must match outright.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
+from greedy_ties import check_divergences
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,8 +61,5 @@ def test_greedy_tokens_equal_torch_native(model_dir, backend, graphs):
         prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 200))] for _ in range(bs)]
         want = _generate(model_dir, "torch_native", False, prompts)
         got = _generate(model_dir, backend, graphs, prompts)
-        differ = [(i, len(prompts[i]), next(j for j, (a, b) in enumerate(zip(w, g)) if a != b))
-                  for i, (w, g) in enumerate(zip(want, got)) if w != g]
-        print(f"{backend} graphs={graphs} bs={bs}: {bs - len(differ)}/{bs} identical; "
-              f"(request, prompt length, first differing token): {differ}")
-        assert len(differ) <= max(0, bs // 8), f"{len(differ)}/{bs} requests differ: {differ}"
+        found = check_divergences(model_dir, prompts, want, got, f"{backend} graphs={graphs} bs={bs}")
+        assert len(found) <= max(1, bs // 2), f"{len(found)}/{bs} requests diverged (all at near-ties)"

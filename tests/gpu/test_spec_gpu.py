@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from backplane import Engine, SamplingParams
+from greedy_ties import check_divergences
 
 pytestmark = pytest.mark.gpu
 
@@ -88,10 +89,11 @@ def test_greedy_equals_plain_greedy(target, algo, backend, graphs):
         params = SamplingParams(max_new_tokens=40, **GREEDY)
         want = plain.generate(input_ids=prompts, sampling_params=params)
         got = eagle.generate(input_ids=prompts, sampling_params=params)
-        # bf16: the verify and decode kernels round differently; a near-tie may flip one token late.
-        same = sum(w.token_ids == g.token_ids for w, g in zip(want, got))
-        assert same >= len(prompts) - max(1, len(prompts) // 8), f"{same}/{len(prompts)} identical"
         assert all(g.error is None for g in got)
+        # bf16: the verify and decode kernels round differently; they may part ways at a near-tie only.
+        found = check_divergences(path, prompts, [w.token_ids for w in want], [g.token_ids for g in got],
+                                  f"{algo} {backend} graphs={graphs} bs={bs}")
+        assert len(found) <= max(1, bs // 2), f"{len(found)}/{bs} requests diverged (all at near-ties)"
     stats = eagle.spec_worker.stats
     print(f"{algo} {backend} graphs={graphs}: acceptance length {stats.mean_acceptance_length:.2f}")
     if algo == "eagle-chain":
@@ -107,7 +109,8 @@ def test_draft_graphs_share_the_pool(wide_target, backend):
     from backplane.plugins.spec_eagle.graph import DraftGraphRunner
 
     path, head = wide_target
-    engine = _engine(path, backend, True, **SPECS["eagle-tree"], speculative_draft_model=head)
+    spec = dict(SPECS["eagle-tree"], speculative_num_draft_tokens=8)  # verify graphs of 8 tokens a request
+    engine = _engine(path, backend, True, **spec, speculative_draft_model=head)
     shared = engine.spec_worker.graphs
     assert shared is not None and shared.graphs
     alone = DraftGraphRunner(engine.spec_worker, pool=torch.cuda.graph_pool_handle())
