@@ -54,15 +54,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def model_bytes(runner) -> tuple[int, int, int]:
-    """(weight bytes, KV bytes per token, parameters in the layers' matmuls)."""
-    params = list(runner.model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    pool = runner.token_to_kv_pool
-    kv_per_token = sum(b[0].numel() // b.shape[0] * b.element_size() for b in (*pool.k_buffers, *pool.v_buffers))
-    embed = runner.hf_config.vocab_size * runner.hf_config.hidden_size
-    matmul_params = sum(p.numel() for p in params if p.dim() == 2) - embed  # the lm_head runs once per request
-    return weight_bytes, kv_per_token, matmul_params
+def model_sizes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(KV bytes per token, parameters in the per-token matmuls) of a Llama-family config.
+
+    The per-token matmuls are q/k/v/o and gate/up/down of every layer; the lm_head runs once per
+    request in a prefill, so it is left out of the prefill FLOPs.
+    """
+    from backplane.models.config_utils import head_dim_of, num_kv_heads_of
+
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q, kv = config.num_attention_heads * head_dim_of(config), num_kv_heads_of(config) * head_dim_of(config)
+    kv_per_token = layers * 2 * kv * dtype_bytes
+    matmul_params = layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    return kv_per_token, matmul_params
 
 
 def floor_seconds(shapes, weight_bytes: int, kv_per_token: int, matmul_params: int) -> float:
@@ -92,7 +96,8 @@ def run_engine(ns, backend: str, shapes) -> dict:
     if errors:
         raise RuntimeError(f"{backend}: {len(errors)} requests failed, first: {errors[0]}")
     tokens = sum(len(o.token_ids) for o in outs)
-    weight_bytes, kv_per_token, matmul_params = model_bytes(runner)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token, matmul_params = model_sizes(runner.hf_config, runner.token_to_kv_pool.k_buffers[0].element_size())
     row = {"backend": backend, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
            "tpot_ms": statistics.median(o.tpot_s for o in outs if o.tpot_s is not None) * 1e3,
            "ttft_ms": statistics.median(o.ttft_s for o in outs) * 1e3,
@@ -136,6 +141,26 @@ def run_transformers(ns, shapes) -> dict:
             "tok_s": tokens / elapsed, "step_ms": elapsed / longest * 1e3}
 
 
+def refloor(path: str) -> None:
+    """Recompute the floor columns of a report written by an earlier version of this script."""
+    from backplane.models.presets import get_preset
+
+    report = json.loads(open(path).read())
+    kv_per_token, matmul_params = model_sizes(get_preset(report["model"]))
+    for kind, work in report["workloads"].items():
+        requests = work["requests"]
+        shapes = workload(kind, requests, tuple(report.get("fixed_shape", (1024, 256))))
+        for r in work["rows"]:
+            if "weight_bytes" in r:
+                r["kv_bytes_per_token"] = kv_per_token
+                r["floor_s"] = floor_seconds(shapes, r["weight_bytes"], kv_per_token, matmul_params)
+                r["floor_tok_s"] = r["output_tokens"] / r["floor_s"]
+                r["vs_floor"] = r["tok_s"] / r["floor_tok_s"]
+    report["floor_recomputed"] = True
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
@@ -147,10 +172,13 @@ def main() -> None:
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"])
     p.add_argument("--hf-requests", type=int, default=64, help="requests transformers runs (0: skip it)")
     p.add_argument("--out", default=None)
+    p.add_argument("--refloor", metavar="REPORT.json", help="only recompute the floor columns of a report")
     ns = p.parse_args()
+    if ns.refloor:
+        return refloor(ns.refloor)
     device_name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     report = {"model": ns.model, "device": device_name, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "workloads": {}}
+              "date": time.strftime("%Y-%m-%d"), "fixed_shape": list(ns.fixed_shape), "workloads": {}}
     lines = []
     for kind in ns.workloads:
         shapes = workload(kind, ns.requests, tuple(ns.fixed_shape))

@@ -87,7 +87,7 @@ def ratio_panel(ax, lora, spec) -> None:
             names.append(f"verify(8) / decode\nbs {r['batch_size']}")
             values.append(r["ratio"])
             targets.append(1.2 if r["batch_size"] == 1 else None)
-        names.append("EAGLE tok/s / plain\n(full acceptance)")
+        names.append(f"EAGLE tok/s / plain\n(acceptance {spec['batch1']['acceptance_length']:.1f} of 8)")
         values.append(spec["batch1"]["speedup"])
         targets.append(2.5)
     ax.bar(range(len(values)), values, color="tab:purple")
