@@ -4,7 +4,8 @@
 #   bench/gpu_suite.sh kernels    bench/attention.py --sweep, bench/graph_runner.py, bench/lora.py
 #   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
-#   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile, LoRA kernels
+#   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
+#                                 verify kernels), LoRA kernels
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -84,6 +85,8 @@ case "$what" in
   recheck)
     step attention-decode 200 python3 bench/attention.py --only decode --out "$out/attention-decode.json"
     step spec 200 python3 bench/spec.py --backend triton --profile --out "$out/spec.json"
+    step spec-split-verify 200 python3 bench/spec.py --backend triton --verify-kernel split --profile \
+      --out "$out/spec-split-verify.json"
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;

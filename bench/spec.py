@@ -189,6 +189,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="also print GPU time by kernel, decode vs verify")
+    p.add_argument("--verify-kernel", choices=["extend", "split"], default=None,
+                   help="the triton backend's TARGET_VERIFY kernel (default: the backend's own default)")
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     from backplane.models.presets import get_preset
@@ -202,11 +204,12 @@ def main() -> None:
     del plain
     if ns.device == "cuda":
         torch.cuda.empty_cache()
+    plugin_options = {"triton-attention": {"verify_kernel": ns.verify_kernel}} if ns.verify_kernel else None
     with tempfile.TemporaryDirectory() as folder:
         head = random_head(Path(folder), config, common_dtype(common))
         eagle = Engine(ns.model, attention_backend=ns.backend, speculative_algorithm="eagle", speculative_draft_model=head,
                        speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=NUM_DRAFT,
-                       **common)
+                       plugin_options=plugin_options, **common)
     verify_rows = verify_vs_decode(eagle, [1, 4, 8], vocab)
     profiles = None
     if ns.profile:
@@ -231,7 +234,7 @@ def main() -> None:
     stats = worker.stats
     first_diff = next((j for j, (a, b) in enumerate(zip(eagle_ids, oracle)) if a != b), None)
     report = {
-        "preset": ns.model, "backend": ns.backend,
+        "preset": ns.model, "backend": ns.backend, "verify_kernel": ns.verify_kernel or "default",
         "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
         "verify_vs_decode": verify_rows,
         "batch1": {"plain_tok_s": plain_tps, "eagle_full_acceptance_tok_s": eagle_tps,

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 # NOTE: a kernel is compiled or interpreted as decided when it is defined; modules that another test
 # module imported earlier in this process (tests/gpu is collected first) are reloaded, in dependency order.
-for _name in ("tile_ops", "decode_kernels", "extend_kernels", "backend"):
+for _name in ("tile_ops", "decode_kernels", "extend_kernels", "verify_kernels", "backend"):
     if f"backplane.plugins.attention_triton.{_name}" in sys.modules:
         importlib.reload(sys.modules[f"backplane.plugins.attention_triton.{_name}"])
 
@@ -32,6 +32,7 @@ from backplane.plugins import attention_triton  # noqa: E402
 from backplane.plugins.attention_triton.decode_kernels import decode_attention  # noqa: E402
 from backplane.plugins.attention_triton.extend_kernels import extend_attention  # noqa: E402
 from backplane.plugins.attention_triton.options import TritonAttentionOptions  # noqa: E402
+from backplane.plugins.attention_triton.verify_kernels import verify_attention  # noqa: E402
 
 TOL = {torch.float32: 2e-4, torch.float16: 1e-2}
 
@@ -141,6 +142,42 @@ def test_decode_kernel_uses_preallocated_scratch_larger_than_needed():
         keys, values = pool.request_kv(b)
         ref = reference(q[b : b + 1], keys, values, pool.seq_lens[b : b + 1] - 1, 0.3)
         torch.testing.assert_close(o[b : b + 1], ref, atol=2e-4, rtol=2e-4)
+
+
+# -- verify kernel (split-KV, several tokens per request) ----------------------------------------------
+
+VERIFY_CASES = [
+    # prefix_lens, q_len, num_heads, num_kv_heads, head_dim, dtype, splits, softcap, custom mask
+    ([1], 1, 4, 4, 64, torch.float32, 1, 0.0, True),
+    ([40, 7, 129], 4, 8, 2, 64, torch.float32, 3, 0.0, True),
+    ([40, 7, 129], 4, 8, 2, 64, torch.float32, 3, 0.0, False),  # causal chain
+    ([63, 200], 8, 8, 1, 128, torch.float16, 4, 0.0, True),  # 8 tokens x 8 heads = 64 rows
+    ([5, 90, 17], 6, 4, 1, 32, torch.float16, 8, 20.0, True),  # more splits than some requests use
+    ([60, 1], 8, 4, 2, 80, torch.float32, 2, 0.0, True),  # head dim padded; rows that see nothing in a split
+]
+
+
+@pytest.mark.parametrize("prefix_lens,q_len,heads,kv_heads,head_dim,dtype,splits,softcap,use_mask", VERIFY_CASES)
+def test_verify_kernel(prefix_lens, q_len, heads, kv_heads, head_dim, dtype, splits, softcap, use_mask):
+    gen = torch.Generator().manual_seed(sum(prefix_lens) * 7 + q_len + head_dim + splits)
+    seq_lens = [p + q_len for p in prefix_lens]
+    pool = make_pool(seq_lens, kv_heads, head_dim, dtype, gen)
+    q = torch.randn((len(seq_lens) * q_len, heads, head_dim), generator=gen).to(dtype)
+    scaling = 1.0 if softcap else head_dim**-0.5
+    masks = [tree_mask(p, q_len, gen) for p in prefix_lens] if use_mask else None
+    custom_mask = torch.cat([m.flatten() for m in masks]) if use_mask else None
+    sizes = torch.tensor([q_len * n for n in seq_lens])
+    mask_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]) if use_mask else None
+    o = torch.full_like(q, float("nan"))
+    verify_attention(q, pool.k_buffer, pool.v_buffer, o, pool.req_to_token, pool.req_pool_indices,
+                     pool.seq_lens, q_len, scaling, splits, softcap=softcap, custom_mask=custom_mask,
+                     mask_indptr=mask_indptr)
+    for b, (p, n) in enumerate(zip(prefix_lens, seq_lens)):
+        keys, values = pool.request_kv(b)
+        rows = slice(b * q_len, (b + 1) * q_len)
+        ref = reference(q[rows], keys, values, torch.arange(p, n), scaling, softcap, 0,
+                        masks[b] if use_mask else None)
+        torch.testing.assert_close(o[rows].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 # -- extend kernel ---------------------------------------------------------------------------------

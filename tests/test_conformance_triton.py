@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from backplane.plugins.attention_triton.options import TritonAttentionOptions
 from backplane.testing import attention_conformance
 
 if torch.cuda.is_available():
@@ -10,3 +11,7 @@ if torch.cuda.is_available():
 
 test_triton_fp32 = attention_conformance.make_suite("triton", device="cpu", dtype=torch.float32)
 test_triton_fp16 = attention_conformance.make_suite("triton", device="cpu", dtype=torch.float16)
+
+# TARGET_VERIFY through the split-KV verify kernel (--triton-attention.verify-kernel split).
+test_triton_split_verify_fp32 = attention_conformance.make_suite(
+    "triton", device="cpu", dtype=torch.float32, options=TritonAttentionOptions(verify_kernel="split"))

@@ -170,8 +170,9 @@ def run_backend(backend: AttentionBackend, harness: Harness, batch: ForwardBatch
     return backend.forward(*qkv, harness.layer(), batch)
 
 
-def check_case(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0) -> None:
-    """Run `case` through the backend of `spec` and through torch_native; assert they agree."""
+def check_case(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0, options=None) -> None:
+    """Run `case` through the backend of `spec` (built with the plugin `options`, None for its
+    defaults) and through torch_native; assert they agree."""
     from backplane.attention.torch_native import TorchNativeAttnBackend
 
     harness = Harness(case, dtype, device, seed)
@@ -180,7 +181,7 @@ def check_case(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0)
     qkv = (harness.randn(n, case.num_heads, case.head_dim), harness.randn(n, case.num_kv_heads, case.head_dim),
            harness.randn(n, case.num_kv_heads, case.head_dim))
     k_before = [b.clone() for b in harness.kv_pool.get_kv_buffer(0)]
-    out = run_backend(spec.factory(harness.context()), harness, batch, qkv)
+    out = run_backend(spec.factory(harness.context(options)), harness, batch, qkv)
     written = [b.clone() for b in harness.kv_pool.get_kv_buffer(0)]
     for buf, before in zip(harness.kv_pool.get_kv_buffer(0), k_before):
         buf.copy_(before)
@@ -196,8 +197,12 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def make_suite(backend_name: str, device: str | None = None, dtype: torch.dtype | None = None):
-    """A pytest test function parametrized over every conformance case (plus graph replay)."""
+def make_suite(backend_name: str, device: str | None = None, dtype: torch.dtype | None = None, options=None):
+    """A pytest test function parametrized over every conformance case.
+
+    options: the backend's plugin option object (its settings group model) to build it with, so a
+    backend can be checked under each of its settings; None for its defaults.
+    """
     import pytest
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -209,7 +214,7 @@ def make_suite(backend_name: str, device: str | None = None, dtype: torch.dtype 
         reason = spec.available() or applicable(spec, case, device)
         if reason:
             pytest.skip(f"{backend_name}: {reason}")
-        check_case(spec, case, device, dtype or default_dtype(device))
+        check_case(spec, case, device, dtype or default_dtype(device), options=options)
 
     return test_attention_conformance
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
-from backplane.batch import ForwardBatch
+from backplane.batch import ForwardBatch, ForwardMode
 
 from .configs import choose_num_kv_splits
 from .decode_kernels import decode_attention
@@ -15,6 +15,7 @@ from .extend_kernels import extend_attention
 from .graph import GraphBuffers
 from .metadata import DecodeMetadata, ExtendMetadata, build_extend_metadata
 from .options import TritonAttentionOptions
+from .verify_kernels import verify_attention, verify_rows_fit
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -39,13 +40,29 @@ class TritonAttnBackend(AttentionBackend):
             batch_size, self.ctx.num_kv_heads, max_kv_len, self.device, self.options.max_kv_splits
         )
 
+    def uses_split_verify(self, tokens_per_request: int) -> bool:
+        """Whether TARGET_VERIFY batches of this many tokens a request take the split-KV verify kernel."""
+        return self.options.verify_kernel == "split" and verify_rows_fit(
+            tokens_per_request, self.ctx.num_heads, self.ctx.num_kv_heads)
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode.is_decode:
             self.forward_metadata = self._decode_metadata(batch)
         elif batch.forward_mode.is_extend_like:
             self.forward_metadata = build_extend_metadata(batch)
+            if batch.forward_mode is ForwardMode.TARGET_VERIFY and self.uses_split_verify(batch.tokens_per_request):
+                self._add_verify_scratch(self.forward_metadata, batch)
         else:
             self.forward_metadata = None
+
+    def _add_verify_scratch(self, meta: ExtendMetadata, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        max_kv_len = int(batch.seq_lens_cpu.max()) if bs > 0 else 1
+        splits = self.num_kv_splits(bs, max_kv_len)
+        shape = (batch.num_tokens, self.ctx.num_heads, splits)
+        meta.verify_splits, meta.seq_lens = splits, batch.seq_lens
+        meta.attn_logits = torch.empty((*shape, self.ctx.head_dim), dtype=torch.float32, device=self.device)
+        meta.attn_lse = torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def _decode_metadata(self, batch: ForwardBatch) -> DecodeMetadata:
         bs = batch.batch_size
@@ -70,6 +87,12 @@ class TritonAttnBackend(AttentionBackend):
         if q.shape[0] == 0:
             return o
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
+        if meta.verify_splits is not None and layer.sliding_window <= 0:
+            return verify_attention(
+                q, k_buffer, v_buffer, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.max_q_len,
+                layer.scaling, meta.verify_splits, softcap=layer.logit_softcap, custom_mask=meta.custom_mask,
+                mask_indptr=meta.mask_indptr, attn_logits=meta.attn_logits, attn_lse=meta.attn_lse,
+            )
         return extend_attention(
             q, k, v, o, k_buffer, v_buffer, self.req_to_token, meta.req_pool_indices, meta.qo_indptr,
             meta.prefix_lens, meta.max_q_len, layer.scaling, softcap=layer.logit_softcap,
@@ -117,6 +140,7 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_buffers = GraphBuffers(
             max_bs, max_num_tokens, self.ctx.num_heads, self.ctx.head_dim, self.ctx.max_context_len,
             lambda bs: self.num_kv_splits(bs, self.ctx.max_context_len), self.device,
+            split_verify=self.uses_split_verify,
         )
 
     def init_metadata_for_capture(self, key: Any, batch: ForwardBatch) -> None:

@@ -91,11 +91,12 @@ def _decode_merge_kernel(
     Mid_o, Mid_lse, O, Seq_lens, window, num_splits,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, TOKENS_PER_REQ: tl.constexpr = 1,
 ):
+    # b: the query row (TOKENS_PER_REQ rows per request, which share the request's split geometry)
     b = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    seq_len = tl.load(Seq_lens + b // TOKENS_PER_REQ).to(tl.int32)
     lo, split_len = _split_geometry(seq_len, num_splits, window, BLOCK_N, MIN_SPLIT, USE_WINDOW)
     offs_s = tl.arange(0, BLOCK_S)
     used = (offs_s < num_splits) & (lo + offs_s * split_len < seq_len)

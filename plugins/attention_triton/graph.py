@@ -22,7 +22,8 @@ class GraphBuffers:
     """Every tensor a captured graph of this backend reads, plus the metadata of each graph key."""
 
     def __init__(self, max_bs: int, max_num_tokens: int, num_heads: int, v_dim: int,
-                 max_context_len: int, splits_for_bs: Callable[[int], int], device: torch.device):
+                 max_context_len: int, splits_for_bs: Callable[[int], int], device: torch.device,
+                 split_verify: Callable[[int], bool] = lambda tokens_per_request: False):
         self.max_bs, self.max_num_tokens, self.max_context_len = max_bs, max_num_tokens, max_context_len
         self.num_heads, self.v_dim, self.splits_for_bs = num_heads, v_dim, splits_for_bs
         self.req_pool_indices = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -36,6 +37,10 @@ class GraphBuffers:
         self.attn_logits = torch.empty(rows * num_heads * v_dim, dtype=torch.float32, device=device)
         self.attn_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
         self.metadata: dict[Any, DecodeMetadata | ExtendMetadata] = {}
+        # Split partials of verify graphs that take the split-KV verify kernel (allocated at their first capture).
+        self.split_verify = split_verify
+        self.verify_logits: torch.Tensor | None = None
+        self.verify_lse: torch.Tensor | None = None
 
     def capture(self, key: Any, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
         bs = batch.batch_size
@@ -62,6 +67,8 @@ class GraphBuffers:
             return meta
         per_request = meta.max_q_len
         self.prefix_lens[:bs].copy_(prefix_lengths(batch.seq_lens, per_request))
+        if meta.verify_splits is not None:
+            self.seq_lens[:bs].copy_(batch.seq_lens)
         if meta.custom_mask is not None:
             self._refresh_mask(batch, per_request)
         elif batch.custom_mask is not None:
@@ -89,6 +96,8 @@ class GraphBuffers:
             prefix_lens=self.prefix_lens[:bs],
             max_q_len=per_request,
         )
+        if self.split_verify(per_request):
+            self._add_verify_scratch(meta, bs, per_request)
         if batch.custom_mask is not None:
             if self.custom_mask is None:
                 size = self.max_num_tokens * self.max_context_len
@@ -96,6 +105,22 @@ class GraphBuffers:
             meta.custom_mask = self.custom_mask
             meta.mask_indptr = self.mask_indptr[: bs + 1]
         return meta
+
+    def _add_verify_scratch(self, meta: ExtendMetadata, bs: int, per_request: int) -> None:
+        """Views of the verify split partials for a graph of batch size bs (splits fixed by bs)."""
+        if self.verify_logits is None:
+            rows = per_request * max(b * self.splits_for_bs(b) for b in range(1, self.max_bs + 1))
+            self.verify_logits = torch.empty(rows * self.num_heads * self.v_dim, dtype=torch.float32,
+                                             device=self.seq_lens.device)
+            self.verify_lse = torch.empty(rows * self.num_heads, dtype=torch.float32, device=self.seq_lens.device)
+        splits, tokens = self.splits_for_bs(bs), bs * per_request
+        n = tokens * self.num_heads * splits
+        if n > self.verify_lse.numel():
+            raise ValueError(f"triton attention graph: verify graphs of {per_request} tokens a request were sized "
+                             f"for fewer rows than batch size {bs} needs")
+        meta.verify_splits, meta.seq_lens = splits, self.seq_lens[:bs]
+        meta.attn_logits = self.verify_logits[: n * self.v_dim].view(tokens, self.num_heads, splits, self.v_dim)
+        meta.attn_lse = self.verify_lse[:n].view(tokens, self.num_heads, splits)
 
     def _refresh_mask(self, batch: ForwardBatch, per_request: int) -> None:
         if batch.custom_mask is None:

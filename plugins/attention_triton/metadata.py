@@ -40,6 +40,13 @@ class ExtendMetadata:
     max_q_len: int
     custom_mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
+    # TARGET_VERIFY through the split-KV verify kernel (verify_kernel="split"): the splits, their
+    # scratch ([num_tokens, num_heads, splits, v_dim] and [num_tokens, num_heads, splits] fp32) and
+    # seq_lens [bs]; None when the extend kernel serves the batch.
+    verify_splits: int | None = None
+    attn_logits: torch.Tensor | None = None
+    attn_lse: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
 
 def new_token_counts(batch: ForwardBatch) -> tuple[torch.Tensor, int]:

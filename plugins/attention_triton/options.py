@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, model_validator
 
 
 class TritonAttentionOptions(BaseModel):
-    """Decode KV-split settings (extend needs none)."""
+    """Decode KV-split settings (extend needs none) and the kernel that serves TARGET_VERIFY."""
 
     num_kv_splits: int = Field(
         0, ge=0, description="KV splits per request in decode; 0 = chosen from batch size, heads and SMs"
     )
     max_kv_splits: int = Field(64, ge=1, le=1024, description="upper bound of the automatic choice")
+    verify_kernel: Literal["extend", "split"] = Field(
+        "extend",
+        description="TARGET_VERIFY attention: the extend kernel, or the split-KV kernel that reads a few draft "
+        "tokens per request like decode (not for sliding-window layers)",
+    )
 
     @model_validator(mode="after")
     def _splits_within_bound(self) -> "TritonAttentionOptions":

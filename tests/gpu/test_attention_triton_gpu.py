@@ -162,11 +162,12 @@ LAYER = AttentionLayerInfo(0, 32, 8, 128, scaling=128**-0.5)
 MAX_CTX = 2048
 
 
-def make_backend(gen, num_rows=64):
+def make_backend(gen, num_rows=64, options=None):
     """A backend over a pool whose rows are filled to MAX_CTX - 8 positions with shuffled slots."""
     req_pool = ReqToTokenPool(num_rows, MAX_CTX, "cuda")
     kv_pool = TokenToKVPool(num_rows * MAX_CTX, 1, 8, 128, BF16, "cuda")
-    ctx = AttentionBackendContext(32, 8, 128, 1, BF16, torch.device("cuda"), req_pool, kv_pool, MAX_CTX)
+    ctx = AttentionBackendContext(32, 8, 128, 1, BF16, torch.device("cuda"), req_pool, kv_pool, MAX_CTX,
+                                  options=options)
     filled = MAX_CTX - 8
     rows = [req_pool.alloc() for _ in range(num_rows)]
     slots = kv_pool.alloc(num_rows * filled)[torch.randperm(num_rows * filled, generator=gen)].cuda()
@@ -213,10 +214,16 @@ def unpadded(batch, real, per_request):
     (ForwardMode.DECODE, 1, False, 64, 61),
     (ForwardMode.TARGET_VERIFY, 4, True, 8, 6),
     (ForwardMode.TARGET_VERIFY, 3, False, 4, 4),
+    (ForwardMode.TARGET_VERIFY, 8, True, 8, 5),
 ])
-def test_cuda_graph_replay_matches_eager(mode, per_request, masked, graph_bs, real):
+@pytest.mark.parametrize("verify_kernel", ["extend", "split"])
+def test_cuda_graph_replay_matches_eager(mode, per_request, masked, graph_bs, real, verify_kernel):
+    if verify_kernel == "split" and mode is not ForwardMode.TARGET_VERIFY:
+        pytest.skip("the verify kernel option only affects TARGET_VERIFY")
+    from backplane.plugins.attention_triton.options import TritonAttentionOptions
+
     gen = torch.Generator().manual_seed(graph_bs * 10 + per_request)
-    backend, rows = make_backend(gen)
+    backend, rows = make_backend(gen, options=TritonAttentionOptions(verify_kernel=verify_kernel))
     backend.init_graph_state(max_bs=64, max_num_tokens=64 * 4)
     rows = rows[:real]
 
