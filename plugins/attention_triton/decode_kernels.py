@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .configs import DecodeConfig, decode_config, dot_precision
-from .tile_ops import attend_tile
+from .tile_ops import attend_tile, gather_kv_tile
 
 
 @triton.jit
@@ -72,12 +72,9 @@ def _decode_split_kernel(
         for start_n in range(start, end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(row_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
             # k_t: [BLOCK_D, BLOCK_N]; v: [BLOCK_N, BLOCK_DV]
-            k_t = tl.load(K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                          mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            v = tl.load(V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            k_t, v = gather_kv_tile(row_ptr, K_buf, V_buf, kv_head, offs_n, mask_n, offs_d, mask_d, offs_dv,
+                                    mask_dv, stride_kt, stride_kh, stride_vt, stride_vh)
             acc, l_i, m_i = attend_tile(q, k_t, v, mask_n[None, :], acc, l_i, m_i, sm_scale, softcap,
                                         USE_SOFTCAP, True, DOT_PRECISION)
         # Every row saw at least one key, so l_i > 0.

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .configs import ExtendConfig, dot_precision, extend_config
-from .tile_ops import attend_tile
+from .tile_ops import attend_tile, gather_kv_tile
 
 
 @triton.jit
@@ -77,11 +77,8 @@ def _extend_kernel(
         for start_n in range(lo, prefix, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix
-            slots = tl.load(row_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k_t = tl.load(K_buf + slots[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
-                          mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            v = tl.load(V_buf + slots[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            k_t, v = gather_kv_tile(row_ptr, K_buf, V_buf, kv_head, offs_n, mask_n, offs_d, mask_d, offs_dv,
+                                    mask_dv, stride_kbt, stride_kbh, stride_vbt, stride_vbh)
             vis = _visible(offs_m, offs_n, offs_n, q_pos, mask_n, Mask, mask_row, mask_m, window,
                            USE_MASK, USE_WINDOW)
             acc, l_i, m_i = attend_tile(q, k_t, v, vis, acc, l_i, m_i, sm_scale, softcap,

@@ -28,6 +28,19 @@ def scores_log2(qk, sm_scale, softcap, USE_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def gather_kv_tile(row_ptr, K_buf, V_buf, kv_head, offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv,
+                   stride_kt, stride_kh, stride_vt, stride_vh):
+    """The keys (transposed, [D, N]) and values ([N, DV]) of one KV head at the request positions
+    offs_n, read through the request's req_to_token row (page size 1: one slot per position)."""
+    slots = tl.load(row_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+    k_t = tl.load(K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                  mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    v = tl.load(V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+    return k_t, v
+
+
+@triton.jit
 def attend_tile(
     q,
     k_t,
