@@ -5,7 +5,7 @@
 #   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
-#                                 verify kernels), LoRA kernels
+#                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -87,10 +87,12 @@ case "$what" in
     step spec 200 python3 bench/spec.py --backend triton --profile --out "$out/spec.json"
     step spec-split-verify 200 python3 bench/spec.py --backend triton --verify-kernel split --profile \
       --out "$out/spec-split-verify.json"
+    step graph-pool 150 bash -c "python3 bench/graph_pool_probe.py --tiny-wide && python3 bench/graph_pool_probe.py" ;;
+  lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, lora-kernels, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

@@ -3,10 +3,15 @@
 1. Verify vs decode: one runner forward of TARGET_VERIFY with 8 draft tokens per request against
    one DECODE forward, both through the captured graphs, at batch 1, 4 and 8 (context 512).
 2. End to end at batch 1: tokens/s of greedy generation with EAGLE (chain of 7 steps, 8 draft
-   tokens) at full acceptance against plain decoding.
-   Full acceptance on a 16-layer target needs a draft that knows the target's output: the head is
-   random (a real EAGLE layer of the 1B shapes, so every draft step costs what it would), and its
-   token choices are replaced by the target's own greedy continuation, computed beforehand.
+   tokens) at full acceptance against plain decoding. The head is random (a real EAGLE layer of
+   the 1B shapes, so every draft step costs what it would); two ways to full acceptance:
+   - fixed point: its token choices are replaced by the target's own greedy continuation, computed
+     beforehand (on dummy weights the logits are flat, so bf16 near-ties cut this short);
+   - forced: every drafted token is accepted whatever the target chose (timing only: the tokens
+     are not the target's; draft, verify, KV commit and feature hand-over run exactly as at full
+     acceptance).
+3. Draft graph memory: growth of the shared pool when the draft graphs are captured after the
+   target's, against a second copy of the draft graphs captured into a pool of their own.
 
     python bench/spec.py --out spec.json [--backend triton|flashinfer]
     python bench/spec.py --model tiny-llama --device cpu --backend torch_native --new-tokens 24   # smoke run
@@ -122,6 +127,50 @@ def force_acceptance(worker, oracle: list[list[int]], prompt_len: int) -> None:
     worker.draft = drafted
 
 
+def accept_every_draft():
+    """Patch greedy acceptance to take the whole draft chain (timing only). Returns an undo."""
+    import backplane.speculative.worker as core_worker
+    from backplane.speculative.accept import Accepted
+
+    original = core_worker.verify_greedy
+
+    def accept_all(tree: DraftTree, target_choice: torch.Tensor) -> list:
+        parents, choice = tree.parents.tolist(), target_choice.tolist()
+        out = []
+        for b in range(tree.batch_size):
+            path = [0]
+            while (child := next((c for c in range(1, tree.num_nodes) if parents[b][c] == path[-1]), None)) is not None:
+                path.append(child)
+            tokens = tree.tokens[b].tolist()
+            out.append(Accepted(path, [tokens[n] for n in path[1:]] + [choice[b][path[-1]]]))
+        return out
+
+    core_worker.verify_greedy = accept_all
+    return lambda: setattr(core_worker, "verify_greedy", original)
+
+
+def draft_graph_memory(engine: Engine) -> dict | None:
+    """MB the draft graphs added to the shared pool, against the same graphs captured alone.
+
+    The second runner re-initialises the draft backends' graph buffers: the engine's own draft
+    graphs must not be replayed afterwards."""
+    from backplane.plugins.spec_eagle.graph import DraftGraphRunner
+    from backplane.speculative.draft_parts import graph_pool
+
+    shared = engine.spec_worker.graphs
+    if shared is None:
+        return None
+    from backplane.graph_runner import pool_bytes
+
+    target_mb = engine.runner.graph_runner.graph_memory_bytes / 2**20
+    alone = DraftGraphRunner(engine.spec_worker, pool=torch.cuda.graph_pool_handle())
+    alone.capture()
+    row = {"target_graphs_mb": target_mb, "draft_shared_mb": shared.graph_memory_bytes / 2**20,
+           "draft_alone_mb": alone.graph_memory_bytes / 2**20, "shared_pool_mb": pool_bytes(graph_pool()) / 2**20}
+    del alone
+    return row
+
+
 @torch.inference_mode()
 def kernel_profile(engine: Engine, vocab: int, context: int = 512, top: int = 10) -> dict[str, list]:
     """GPU time by kernel of one eager DECODE and one eager TARGET_VERIFY forward at batch 1."""
@@ -191,6 +240,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also print GPU time by kernel, decode vs verify")
     p.add_argument("--verify-kernel", choices=["extend", "split"], default=None,
                    help="the triton backend's TARGET_VERIFY kernel (default: the backend's own default)")
+    p.add_argument("--acceptance", choices=["both", "forced", "fixed-point"], default="both",
+                   help="how full acceptance is reached (see the module doc)")
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     from backplane.models.presets import get_preset
@@ -217,42 +268,61 @@ def main() -> None:
             profiles = kernel_profile(eagle, vocab)
         except Exception as exc:  # noqa: BLE001 - a diagnostic; the measurements go on without it
             print(f"kernel profile failed: {type(exc).__name__}: {exc}")
-    # Full acceptance: draft the target's own greedy continuation. In bf16 the verify pass may break
-    # a near-tie differently from plain decoding, after which plain's continuation is no longer the
-    # target's; so the continuation is iterated to a fixed point (drafting what verify chose).
-    pad = [0] * NUM_DRAFT
-    current = [oracle + pad]
-    force_acceptance(eagle.spec_worker, current, len(prompt))
     worker = eagle.spec_worker
-    for rounds in range(1, 6):
+
+    def fresh_stats():
         worker.stats = type(worker.stats)()
-        eagle_tps, eagle_ids = tokens_per_s(eagle, prompt, ns.new_tokens,
-                                            on_start=lambda: setattr(worker, "stats", type(worker.stats)()))
-        if eagle_ids + pad == current[0]:
-            break
-        current[0] = eagle_ids + pad
-    stats = worker.stats
-    first_diff = next((j for j, (a, b) in enumerate(zip(eagle_ids, oracle)) if a != b), None)
+
+    batch1 = {"plain_tok_s": plain_tps,
+              "draft_graph_mb": worker.graphs.graph_memory_bytes / 2**20 if worker.graphs else None}
+    if ns.acceptance in ("both", "forced"):
+        undo = accept_every_draft()
+        try:
+            forced_tps, _ = tokens_per_s(eagle, prompt, ns.new_tokens, on_start=fresh_stats)
+        finally:
+            undo()
+        batch1.update(forced_tok_s=forced_tps, forced_speedup=forced_tps / plain_tps,
+                      forced_acceptance_length=worker.stats.mean_acceptance_length)
+    if ns.acceptance in ("both", "fixed-point"):
+        # Draft the target's own greedy continuation. In bf16 the verify pass may break a near-tie
+        # differently from plain decoding, after which plain's continuation is no longer the
+        # target's; so the continuation is iterated to a fixed point (drafting what verify chose).
+        pad = [0] * NUM_DRAFT
+        current = [oracle + pad]
+        draft = worker.draft
+        force_acceptance(worker, current, len(prompt))
+        for rounds in range(1, 6):
+            eagle_tps, eagle_ids = tokens_per_s(eagle, prompt, ns.new_tokens, on_start=fresh_stats)
+            if eagle_ids + pad == current[0]:
+                break
+            current[0] = eagle_ids + pad
+        worker.draft = draft
+        first_diff = next((j for j, (a, b) in enumerate(zip(eagle_ids, oracle)) if a != b), None)
+        batch1.update(eagle_full_acceptance_tok_s=eagle_tps, speedup=eagle_tps / plain_tps,
+                      acceptance_length=worker.stats.mean_acceptance_length, continuation_rounds=rounds,
+                      same_tokens_as_plain=eagle_ids == oracle, first_difference_from_plain=first_diff)
+    # Last: a second draft runner re-points the step backends' graph buffers at its own.
+    pools = draft_graph_memory(eagle) if ns.device == "cuda" else None
     report = {
         "preset": ns.model, "backend": ns.backend, "verify_kernel": ns.verify_kernel or "default",
         "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
-        "verify_vs_decode": verify_rows,
-        "batch1": {"plain_tok_s": plain_tps, "eagle_full_acceptance_tok_s": eagle_tps,
-                   "speedup": eagle_tps / plain_tps, "acceptance_length": stats.mean_acceptance_length,
-                   "continuation_rounds": rounds, "same_tokens_as_plain": eagle_ids == oracle,
-                   "first_difference_from_plain": first_diff,
-                   "draft_graph_mb": eagle.spec_worker.graphs.graph_memory_bytes / 2**20
-                   if eagle.spec_worker.graphs else None},
-        "kernel_profile": profiles,
+        "verify_vs_decode": verify_rows, "batch1": batch1, "draft_graph_memory": pools, "kernel_profile": profiles,
     }
     print(f"{'bs':>3} {'decode ms':>10} {'verify(8) ms':>13} {'ratio':>6}")
     for r in verify_rows:
         print(f"{r['batch_size']:>3} {r['decode_ms']:>10.3f} {r['verify_ms']:>13.3f} {r['ratio']:>6.2f}")
-    b = report["batch1"]
-    print(f"batch 1: plain {b['plain_tok_s']:.0f} tok/s, eagle (full acceptance) {b['eagle_full_acceptance_tok_s']:.0f} "
-          f"tok/s = {b['speedup']:.2f}x, acceptance length {b['acceptance_length']:.2f} "
-          f"(continuation fixed after {b['continuation_rounds']} rounds; first difference from plain greedy at "
-          f"token {b['first_difference_from_plain']})")
+    b = batch1
+    if "forced_tok_s" in b:
+        print(f"batch 1, forced full acceptance: plain {b['plain_tok_s']:.0f} tok/s, eagle {b['forced_tok_s']:.0f} tok/s "
+              f"= {b['forced_speedup']:.2f}x, acceptance length {b['forced_acceptance_length']:.2f}")
+    if "speedup" in b:
+        print(f"batch 1, target's own continuation: eagle {b['eagle_full_acceptance_tok_s']:.0f} tok/s "
+              f"= {b['speedup']:.2f}x, acceptance length {b['acceptance_length']:.2f} (fixed after "
+              f"{b['continuation_rounds']} rounds; first difference from plain greedy at token "
+              f"{b['first_difference_from_plain']})")
+    if pools:
+        print(f"graph pool: target {pools['target_graphs_mb']:.1f} MB; draft graphs added {pools['draft_shared_mb']:.1f} MB "
+              f"to it, {pools['draft_alone_mb']:.1f} MB in a pool of their own")
     if ns.out:
         Path(ns.out).write_text(json.dumps(report, indent=2))
 
