@@ -37,6 +37,23 @@ def pool_blocks(pool) -> dict:
             "largest_active_mb": [round(x / 2**20, 2) for x in sorted(sizes["active"], reverse=True)[:6]]}
 
 
+def active_origins(pool, top: int = 6) -> list[str]:
+    """The largest active blocks of `pool` with the project frames that allocated them (needs
+    torch.cuda.memory._record_memory_history to have been on)."""
+    pool = tuple(pool)
+    rows = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if tuple(seg.get("segment_pool_id", (0, 0))) != pool:
+            continue
+        for b in seg["blocks"]:
+            if b["state"].startswith("active"):
+                frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in b.get("frames", [])
+                          if any(k in f["filename"] for k in ("/core/", "/plugins/", "/bench/"))]
+                rows.append((b["size"], b["state"], " < ".join(frames[:4]) or "?"))
+    rows.sort(key=lambda r: -r[0])
+    return [f"{size / 2**20:7.2f} MB {state}: {where}" for size, state, where in rows[:top]]
+
+
 def show(name: str, row: dict) -> None:
     print(f"{name:<28} {row['segments_mb']:8.1f} MB in {row['segments']:3d} segments; active {row['active_mb']:7.1f} MB "
           f"(largest {row['largest_active_mb']}), free {row['inactive_mb']:7.1f} MB (largest {row['largest_inactive_mb']})")
@@ -59,6 +76,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from spec import random_head  # noqa: E402
 
+    torch.cuda.memory._record_memory_history(max_entries=200000)
     before_draft = {}
     capture = DraftGraphRunner.capture
 
@@ -100,6 +118,8 @@ def main() -> None:
     alone.capture()
     alone_row = pool_blocks(alone.pool)
     show("draft graphs alone", alone_row)
+    print("largest blocks the target's graphs keep:", *active_origins(pool), sep="\n  ")
+    print("largest blocks the draft graphs keep (own pool):", *active_origins(alone.pool), sep="\n  ")
     print(json.dumps({"target_mb": target.graph_memory_bytes / 2**20, "draft_shared_mb": draft.graph_memory_bytes / 2**20,
                       "draft_alone_mb": alone.graph_memory_bytes / 2**20, "shared": after, "target_only": before_draft, "alone": alone_row}))
 

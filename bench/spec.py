@@ -149,6 +149,42 @@ def accept_every_draft():
     return lambda: setattr(core_worker, "verify_greedy", original)
 
 
+def time_phases(engine: Engine) -> tuple[dict[str, list[float]], callable]:
+    """Wrap the speculative step's phases with synchronised timers; returns (times, undo).
+
+    Each phase is timed with the device synchronised before and after, so GPU and host time are
+    both counted and nothing overlaps (the totals exceed an unsynchronised step by the syncs)."""
+    worker, runner = engine.spec_worker, engine.runner
+    cuda = runner.device.type == "cuda"
+    times: dict[str, list[float]] = {}
+    undo = []
+
+    def wrap(obj, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            times.setdefault(label, []).append((time.perf_counter() - start) * 1e3)
+            return out
+
+        setattr(obj, attr, timed)
+        undo.append(lambda: obj.__dict__.pop(attr, None))
+
+    wrap(worker, "decode", "whole step")
+    wrap(worker, "draft", "draft")
+    wrap(worker, "_extend", "  draft extend (eager)")
+    wrap(worker, "_beam_steps", "  draft beam steps")
+    wrap(worker, "verify", "verify")
+    wrap(runner, "forward", "  target forward")
+    wrap(worker, "after_verify", "after verify")
+    return times, lambda: [u() for u in undo]
+
+
 def draft_graph_memory(engine: Engine) -> dict | None:
     """MB the draft graphs added to the shared pool, against the same graphs captured alone.
 
@@ -242,6 +278,8 @@ def main() -> None:
                    help="the triton backend's TARGET_VERIFY kernel (default: the backend's own default)")
     p.add_argument("--acceptance", choices=["both", "forced", "fixed-point"], default="both",
                    help="how full acceptance is reached (see the module doc)")
+    p.add_argument("--phases", action="store_true",
+                   help="also time the speculative step's phases (synchronised) at forced full acceptance")
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     from backplane.models.presets import get_preset
@@ -283,6 +321,18 @@ def main() -> None:
             undo()
         batch1.update(forced_tok_s=forced_tps, forced_speedup=forced_tps / plain_tps,
                       forced_acceptance_length=worker.stats.mean_acceptance_length)
+        if ns.phases:
+            undo = accept_every_draft()
+            times, unwrap = time_phases(eagle)
+            try:
+                tokens_per_s(eagle, prompt, 128)
+            finally:
+                unwrap()
+                undo()
+            batch1["phases_ms"] = {k: statistics.median(v) for k, v in times.items()}
+            print("speculative step phases at forced full acceptance (median ms, synchronised):")
+            for k, v in batch1["phases_ms"].items():
+                print(f"  {k:<26} {v:7.3f}")
     if ns.acceptance in ("both", "fixed-point"):
         # Draft the target's own greedy continuation. In bf16 the verify pass may break a near-tie
         # differently from plain decoding, after which plain's continuation is no longer the

@@ -172,6 +172,11 @@ class GraphRunner:
         mask_size = max_bs * verify_tpr * runner.req_to_token_pool.max_context_len
         self.static = StaticInputs.allocate(max_bs, max_tokens, runner.device, mask_size)
         self.backend.init_graph_state(max_bs, max_tokens)
+        # Every graph writes its fp32 logits into views of this one buffer (only one graph replays at
+        # a time): kept outputs of their own would hold a [tokens, vocab] tensor per graph in the pool,
+        # and the draft runners capturing later could reuse none of it.
+        self.static_logits = torch.empty((max_tokens, self.model.vocab_size), dtype=torch.float32,
+                                         device=runner.device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, ModelOutput] = {}
         self.capture_seconds = 0.0
@@ -229,6 +234,7 @@ class GraphRunner:
 
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)
+        batch.extra["logits_out"] = self.static_logits
         self.backend.init_metadata_for_capture(key, batch)
         forward = self._forward_fn(key)
         for _ in range(2):  # warm up: allocator, autotuning, lazy initialisation

@@ -12,6 +12,6 @@ if torch.cuda.is_available():
 test_triton_fp32 = attention_conformance.make_suite("triton", device="cpu", dtype=torch.float32)
 test_triton_fp16 = attention_conformance.make_suite("triton", device="cpu", dtype=torch.float16)
 
-# TARGET_VERIFY through the split-KV verify kernel (--triton-attention.verify-kernel split).
-test_triton_split_verify_fp32 = attention_conformance.make_suite(
-    "triton", device="cpu", dtype=torch.float32, options=TritonAttentionOptions(verify_kernel="split"))
+# TARGET_VERIFY through the extend kernel (--triton-attention.verify-kernel extend; the default is split).
+test_triton_extend_verify_fp32 = attention_conformance.make_suite(
+    "triton", device="cpu", dtype=torch.float32, options=TritonAttentionOptions(verify_kernel="extend"))

@@ -32,6 +32,10 @@ class LogitsProcessor(nn.Module):
     The matmul runs in the model dtype (for a vocabulary-sized weight an fp32 copy would be too
     costly); the result is cast to fp32 before the optional soft-cap
     `cap * tanh(logits / cap)` (`final_logit_softcapping`).
+
+    `batch.extra["logits_out"]`, when set, is a caller-owned fp32 [rows >= num_selected, vocab]
+    buffer whose leading rows the cast writes into (and that view is returned): the CUDA graph runner gives every captured graph
+    views of one such buffer, so no graph keeps a vocabulary-sized output of its own.
     """
 
     def __init__(self, vocab_size: int, parallel: ParallelContext, final_logit_softcapping: float | None = None):
@@ -45,7 +49,16 @@ class LogitsProcessor(nn.Module):
         if rows is not None:
             hidden_states = hidden_states[rows]
         logits = F.linear(hidden_states, lm_head.weight, getattr(lm_head, "bias", None))
-        logits = self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size].float()
+        logits = self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
+        out = batch.extra.get("logits_out")
+        if out is None:
+            logits = logits.float()
+        else:
+            rows, vocab = logits.shape
+            if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] < rows or out.shape[1] != vocab:
+                raise ValueError(f"logits_out: expected an fp32 buffer of at least {rows} rows of {vocab}, "
+                                 f"got {out.dtype} {tuple(out.shape)}")
+            logits = out[:rows].copy_(logits)
         if self.softcap > 0:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits

@@ -15,9 +15,10 @@ class TritonAttentionOptions(BaseModel):
     )
     max_kv_splits: int = Field(64, ge=1, le=1024, description="upper bound of the automatic choice")
     verify_kernel: Literal["extend", "split"] = Field(
-        "extend",
-        description="TARGET_VERIFY attention: the extend kernel, or the split-KV kernel that reads a few draft "
-        "tokens per request like decode (not for sliding-window layers)",
+        "split",
+        description="TARGET_VERIFY attention: the split-KV kernel that reads a few draft tokens per request like "
+        "decode (1.21x a decode step for 8 tokens at batch 1 on the H200, against 1.83x), or the extend kernel; "
+        "sliding-window layers and groups too wide for one program always take the extend kernel",
     )
 
     @model_validator(mode="after")

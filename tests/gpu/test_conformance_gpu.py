@@ -12,10 +12,11 @@ test_triton_graphs = attention_conformance.make_graph_suite("triton")
 test_flashinfer_graphs = attention_conformance.make_graph_suite("flashinfer")
 
 
-def _split_verify_options():
+def _extend_verify_options():
     from backplane.plugins.attention_triton.options import TritonAttentionOptions
 
-    return TritonAttentionOptions(verify_kernel="split")
+    return TritonAttentionOptions(verify_kernel="extend")
 
 
-test_triton_split_verify = attention_conformance.make_suite("triton", device="cuda", options=_split_verify_options())
+# The default TARGET_VERIFY kernel is the split-KV one; this covers the extend kernel's verify path.
+test_triton_extend_verify = attention_conformance.make_suite("triton", device="cuda", options=_extend_verify_options())
