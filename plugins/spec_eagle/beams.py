@@ -69,8 +69,7 @@ def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, sc
                              step.seq_lens_cpu, step.out_cache_loc, req_pool, kv_pool)
         prepare(i, batch)
         features = head(beams.tokens, beams.features, step.positions, batch)  # [bs * topk, H]
-        logprobs = torch.log_softmax(head.logits(features), dim=-1)
-        child_lp, child_tok = logprobs.topk(topk, dim=-1)  # [bs * topk, topk]
+        child_lp, child_tok = top_logprobs(head.logits(features), topk)  # [bs * topk, topk]
         # A child's score is its path's log-probability: parent score + its own log-prob.
         child_scores = (beams.scores.unsqueeze(-1) + child_lp.view(bs, topk, topk)).view(bs, topk * topk)
         child_tokens = child_tok.view(bs, topk * topk)
@@ -82,6 +81,13 @@ def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, sc
             _copy_ancestors(kv_pool, scratch, beams, i + 1, topk)
         next_id += topk * topk
     return Candidates(torch.cat(out_tokens, 1), torch.cat(out_scores, 1), torch.cat(out_parents, 1))
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best (log-probability, token) of each row: top-k of the logits minus the row's
+    log-sum-exp, with no vocabulary-sized log-softmax written (nor kept by a captured graph)."""
+    top, tokens = logits.topk(k, dim=-1)
+    return top - torch.logsumexp(logits, dim=-1, keepdim=True), tokens
 
 
 def _next_beams(beams: Beams, tokens, scores, features, first_id: int, topk: int) -> Beams:

@@ -21,7 +21,7 @@ from backplane.layers.attention import Attention
 from backplane.models.base import ModelContext
 from backplane.speculative import DraftTree, SpecWorker
 
-from .beams import Beams, Candidates, StepInputs, run_beam_steps
+from .beams import Beams, Candidates, StepInputs, run_beam_steps, top_logprobs
 from .head import load_eagle_head
 from .memory import DraftMemory
 
@@ -116,7 +116,7 @@ class EagleWorker(SpecWorker):
         self.extend_backend.init_forward_metadata(batch)
         features = self.head(batch.input_ids, torch.cat([s.features for s in states]), batch.positions, batch)
         root_features = features[torch.tensor(lens, device=device).cumsum(0) - 1]  # [bs, H]
-        scores, tokens = torch.log_softmax(self.head.logits(root_features), -1).topk(self.topk, dim=-1)
+        scores, tokens = top_logprobs(self.head.logits(root_features), self.topk)
         return tokens, scores, root_features
 
     def _write_scratch_columns(self, beam_rows: torch.Tensor, roots: torch.Tensor) -> None:

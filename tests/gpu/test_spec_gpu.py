@@ -105,9 +105,6 @@ def test_greedy_equals_plain_greedy(target, algo, backend, graphs):
         assert any(k.mode.value == "target_verify" for k in eagle.runner.graph_runner.graphs)
 
 
-@pytest.mark.xfail(strict=True, reason="measured on the H200 (2026-12-03): the draft graphs grew the shared pool by "
-                   "22 MB (triton) / 24 MB (flashinfer) against 24 MB in a pool of their own; this tiny target frees "
-                   "too little during its captures for the draft to reuse")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_draft_graphs_share_the_pool(wide_target, backend):
     from backplane.plugins.spec_eagle.graph import DraftGraphRunner
