@@ -34,8 +34,9 @@ class LogitsProcessor(nn.Module):
     `cap * tanh(logits / cap)` (`final_logit_softcapping`).
 
     `batch.extra["logits_out"]`, when set, is a caller-owned fp32 [rows >= num_selected, vocab]
-    buffer whose leading rows the cast writes into (and that view is returned): the CUDA graph runner gives every captured graph
-    views of one such buffer, so no graph keeps a vocabulary-sized output of its own.
+    buffer whose leading rows the cast writes into (and that view is returned): the CUDA graph
+    runner gives every captured graph that one buffer, so no graph keeps a vocabulary-sized output
+    of its own.
     """
 
     def __init__(self, vocab_size: int, parallel: ParallelContext, final_logit_softcapping: float | None = None):

@@ -17,8 +17,8 @@ class TritonAttentionOptions(BaseModel):
     verify_kernel: Literal["extend", "split"] = Field(
         "split",
         description="TARGET_VERIFY attention: the split-KV kernel that reads a few draft tokens per request like "
-        "decode (1.21x a decode step for 8 tokens at batch 1 on the H200, against 1.83x), or the extend kernel; "
-        "sliding-window layers and groups too wide for one program always take the extend kernel",
+        "decode (see docs/performance.md), or the extend kernel; sliding-window layers and groups too wide for "
+        "one program always take the extend kernel",
     )
 
     @model_validator(mode="after")
