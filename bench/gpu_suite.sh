@@ -6,6 +6,7 @@
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
+#   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON

@@ -128,22 +128,20 @@ def force_acceptance(worker, oracle: list[list[int]], prompt_len: int) -> None:
 
 
 def accept_every_draft():
-    """Patch greedy acceptance to take the whole draft chain (timing only). Returns an undo."""
+    """Patch greedy acceptance to take the whole draft chain (timing only). Returns an undo.
+
+    The target's choice at every node with a child is replaced by its first child's token, so the
+    acceptance walk itself descends the whole chain and keeps the target's own bonus token."""
     import backplane.speculative.worker as core_worker
-    from backplane.speculative.accept import Accepted
 
     original = core_worker.verify_greedy
 
     def accept_all(tree: DraftTree, target_choice: torch.Tensor) -> list:
-        parents, choice = tree.parents.tolist(), target_choice.tolist()
-        out = []
+        choice = target_choice.clone()
         for b in range(tree.batch_size):
-            path = [0]
-            while (child := next((c for c in range(1, tree.num_nodes) if parents[b][c] == path[-1]), None)) is not None:
-                path.append(child)
-            tokens = tree.tokens[b].tolist()
-            out.append(Accepted(path, [tokens[n] for n in path[1:]] + [choice[b][path[-1]]]))
-        return out
+            for child in range(tree.num_nodes - 1, 0, -1):  # descending: the first child is written last
+                choice[b, tree.parents[b, child]] = tree.tokens[b, child]
+        return original(tree, choice)
 
     core_worker.verify_greedy = accept_all
     return lambda: setattr(core_worker, "verify_greedy", original)
