@@ -7,6 +7,8 @@
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
 #   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
+#   bench/gpu_suite.sh spec       the EAGLE GPU tests (triton and flashinfer side by side), the draft pool
+#                                 test, then bench/spec.py with its phase timing (alone on the GPU)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -89,11 +91,24 @@ case "$what" in
     step spec-split-verify 200 python3 bench/spec.py --backend triton --verify-kernel split --profile \
       --out "$out/spec-split-verify.json"
     step graph-pool 150 bash -c "python3 bench/graph_pool_probe.py --tiny-wide && python3 bench/graph_pool_probe.py" ;;
+  spec)
+    pids=()
+    for b in triton flashinfer; do
+      timeout -s INT "${TEST_LIMIT:-330}" python3 -m pytest -m gpu -q -rfEP -p no:cacheprovider --durations=3 \
+        tests/gpu/test_spec_gpu.py -k "$b and eagle${kexpr:+ and ($kexpr)}" > "$out/spec-tests-$b.log" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[0]}"; test_summary spec-tests-triton $?
+    wait "${pids[1]}"; test_summary spec-tests-flashinfer $?
+    timeout -s INT 100 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -s tests/gpu/test_spec_gpu.py \
+      -k share_the_pool > "$out/spec-tests-pool.log" 2>&1
+    test_summary spec-tests-pool $?
+    step spec 220 python3 bench/spec.py --backend triton --phases --out "$out/spec.json" ;;
   lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, lora-kernels, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, lora-kernels, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

@@ -175,8 +175,10 @@ def time_phases(engine: Engine) -> tuple[dict[str, list[float]], callable]:
 
     wrap(worker, "decode", "whole step")
     wrap(worker, "draft", "draft")
-    wrap(worker, "_extend", "  draft extend (eager)")
-    wrap(worker, "_beam_steps", "  draft beam steps")
+    wrap(worker, "_draft_pending", "  draft, pending tokens (eager)")
+    wrap(worker, "_draft_window_eager", "  draft, window (eager)")
+    if worker.graphs is not None:
+        wrap(worker.graphs, "replay", "  draft, window (graph)")
     wrap(worker, "verify", "verify")
     wrap(runner, "forward", "  target forward")
     wrap(worker, "after_verify", "after verify")

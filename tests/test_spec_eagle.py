@@ -108,6 +108,27 @@ def test_random_head_greedy_equal_and_near_zero_acceptance(target, random_head):
     assert eagle.runner.token_to_kv_pool.num_free == 2048
 
 
+@pytest.mark.parametrize("steps, topk", [(3, 2), (4, 1)])
+def test_window_draft_equals_pending_draft(target, random_head, steps, topk):
+    """The steady-state draft re-runs a fixed window of the last num_steps + 1 tokens (what the draft
+    graph captures); it must propose what an extend over exactly the pending tokens proposes."""
+    plain, eagle = _engines(target[0], random_head, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                            speculative_num_draft_tokens=5)
+    worker, draft, compared = eagle.spec_worker, eagle.spec_worker.draft, []
+
+    def both(reqs):
+        if all(worker._fits_window(r) for r in reqs):
+            pending, window = worker._draft_pending(reqs), worker._draft_window_eager(reqs)
+            assert torch.equal(pending.tokens, window.tokens) and torch.equal(pending.parents, window.parents)
+            torch.testing.assert_close(window.scores, pending.scores, atol=1e-5, rtol=1e-5)
+            compared.append(len(reqs))
+        return draft(reqs)
+
+    worker.draft = both
+    _check_equal(plain, eagle, _prompts(5, 6), [15] * 6)
+    assert len(compared) >= 5 and max(compared) > 1, compared
+
+
 def test_pool_returns_to_start_under_preemption(target, exact_head):
     kw = dict(device="cpu", dtype="float32", attention_backend="torch_native")
     plain = Engine(str(target[0]), max_total_tokens=2048, **kw)

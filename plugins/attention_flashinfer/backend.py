@@ -20,7 +20,7 @@ from backplane.plugins.attention_flashinfer.geometry import ForwardGeometry, Gra
 from backplane.plugins.attention_flashinfer.options import FlashInferOptions
 from backplane.plugins.attention_flashinfer.wrappers import Dims, GraphBinding, LayerRunner, WrapperCache, plan_layer
 
-GRAPH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+GRAPH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 
 class _ForwardPlan:
@@ -37,7 +37,8 @@ class _ForwardPlan:
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    """FlashInfer attention over the page-size-1 KV pool; every mode, CUDA graphs for decode and verify."""
+    """FlashInfer attention over the page-size-1 KV pool; every mode, CUDA graphs for decode, verify and
+    uniform draft extends."""
 
     def __init__(self, ctx: AttentionBackendContext):
         self.ctx = ctx
@@ -68,6 +69,9 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"flashinfer attention: CUDA graphs support modes {[m.value for m in GRAPH_MODES]}, "
                 f"got {batch.forward_mode.value}"
             )
+        if batch.forward_mode is ForwardMode.DRAFT_EXTEND and batch.extend_seq_lens is not None:
+            raise ValueError("flashinfer attention: a DRAFT_EXTEND graph needs the same number of tokens in every "
+                             "request (no extend_seq_lens)")
         binding = GraphBinding(self._graph_buffers, batch.batch_size, masked=batch.custom_mask is not None)
         self._graph_caches[key] = WrapperCache(self.workspace, self.use_tensor_cores, binding)
         self._start(ForwardGeometry(batch, self._graph_buffers), self._graph_caches[key])

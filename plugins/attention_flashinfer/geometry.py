@@ -83,8 +83,10 @@ class ForwardGeometry:
         self.query_lens_cpu = _query_lens_cpu(batch)
         self.qo_indptr_cpu = indptr_from_lens(self.query_lens_cpu)
         self.custom_mask = _flat_custom_mask(batch, self.query_lens_cpu)
-        # Graph replays of verify batches: every request has the same number of queries.
-        self.uniform_q_len = batch.tokens_per_request if self.mode is ForwardMode.TARGET_VERIFY else None
+        # Verify batches and draft extends without extend lengths: every request has as many queries.
+        uniform = self.mode is ForwardMode.TARGET_VERIFY or (
+            self.mode is ForwardMode.DRAFT_EXTEND and batch.extend_seq_lens is None and batch.extend_seq_lens_cpu is None)
+        self.uniform_q_len = batch.tokens_per_request if uniform else None
         self._prefix_lens_cpu = _prefix_lens_cpu(batch, self.query_lens_cpu)
         self.has_prefix = self.mode is ForwardMode.EXTEND and bool((self._prefix_lens_cpu > 0).any())
         self._spans: dict[str, KvSpan] = {}

@@ -4,7 +4,9 @@ A decode graph of batch size bs reads req_pool_indices[:bs], seq_lens[:bs] and a
 shared split scratch; its split count is fixed at capture from bs alone (the kernel lowers it per
 request from the sequence length on the device). A TARGET_VERIFY graph reads a fixed qo_indptr
 (tokens_per_request apart), prefix lengths derived from seq_lens at replay, and, when captured
-with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries.
+with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries. A
+DRAFT_EXTEND graph with the same tokens in every request (an EAGLE draft window) is bound like a
+verify graph without a mask (causal).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import torch
 from backplane.batch import ForwardBatch, ForwardMode
 
 from .metadata import DecodeMetadata, ExtendMetadata, exclusive_cumsum, mask_row_counts, prefix_lengths
+
+
+def _uniform_draft_extend(batch: ForwardBatch) -> bool:
+    return batch.forward_mode is ForwardMode.DRAFT_EXTEND and batch.extend_seq_lens is None
 
 
 class GraphBuffers:
@@ -48,11 +54,12 @@ class GraphBuffers:
             raise ValueError(f"triton attention graph: expected batch size <= {self.max_bs}, got {bs}")
         if batch.forward_mode is ForwardMode.DECODE:
             meta = self._decode_metadata(bs)
-        elif batch.forward_mode is ForwardMode.TARGET_VERIFY:
+        elif batch.forward_mode is ForwardMode.TARGET_VERIFY or _uniform_draft_extend(batch):
             meta = self._verify_metadata(batch)
         else:
             raise ValueError(
-                f"triton attention graph: expected mode decode or target_verify, got {batch.forward_mode.value}"
+                "triton attention graph: expected mode decode, target_verify or draft_extend with the same "
+                f"number of tokens in every request (no extend_seq_lens), got {batch.forward_mode.value}"
             )
         self.metadata[key] = meta
         self.refresh(key, batch)

@@ -2,12 +2,15 @@
 
 Alignment: the draft sees token t_q at position q together with the target's feature of position
 q - 1 (zeros at q = 0), so its KV for position q lives in the slot of the target's KV for q.
-Per request, `spec_state` keeps the target features the draft has not consumed yet: those of
-positions start - 1 .. num_cached - 1, paired with tokens all_ids[start .. num_cached]. One step:
-  1. draft extend over those pending tokens (the last one is the root, at position num_cached),
-  2. the root's top-k children, then num_steps - 1 beam steps (one CUDA graph when captured),
+Per request, `spec_state` keeps the target features of the positions before the root (the last
+`window = num_steps + 1` of them at least, and every one the draft has not consumed yet). One step:
+  1. draft extend over the pending tokens (the last one is the root, at position num_cached):
+     in steady state over a fixed window of the last `window` tokens (window.py), else over
+     exactly the pending ones (after a prefill, or for sequences shorter than the window),
+  2. the root's top-k children, then num_steps - 1 beam steps (steps 1 and 2 are one CUDA graph
+     in steady state when the target captures graphs),
   3. keep the num_draft_tokens - 1 best candidates by path log-probability as the tree,
-  4. verify; the accepted nodes' target features become the next pending ones.
+  4. verify; the accepted nodes' target features join the kept ones.
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ from backplane.speculative import DraftTree, SpecWorker
 from .beams import Beams, Candidates, StepInputs, run_beam_steps, top_logprobs
 from .head import load_eagle_head
 from .memory import DraftMemory
+from .window import WindowInputs, run_window_draft
 
 
 @dataclass
 class EagleState:
-    start: int  # first position whose draft KV is missing
-    features: torch.Tensor  # [num_cached + 1 - start, hidden] target features of positions start - 1 ..
+    """start: the first position whose draft KV is missing (pending: start .. num_cached);
+    features: [rows, hidden], the target features of positions num_cached - rows .. num_cached - 1
+    (row -1 is zeros), rows >= num_cached + 1 - start."""
+
+    start: int
+    features: torch.Tensor
 
 
 class EagleWorker(SpecWorker):
@@ -39,6 +47,7 @@ class EagleWorker(SpecWorker):
         super().__init__(ctx)
         args, runner = ctx.args, ctx.runner
         self.topk, self.num_steps = int(args.speculative_eagle_topk), int(args.speculative_num_steps)
+        self.window = self.num_steps + 1  # the most tokens one verify accepts (the tree's depth + 1)
         most = self.topk + (self.num_steps - 1) * self.topk ** 2
         if self.num_draft_tokens - 1 > most:
             raise ValueError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: expected at most {most + 1} "
@@ -54,14 +63,25 @@ class EagleWorker(SpecWorker):
         self.step_backends = [ctx.make_attention_backend("decode", mem.req_pool, mem.kv_pool, infos)
                               for _ in range(self.num_steps - 1)]
         self.graphs = None
+        self._eager_inputs: WindowInputs | None = None
 
     def init_cuda_graphs(self) -> None:
-        """Capture the beam steps as one graph per batch size, when the target runs graphs."""
-        if self.num_steps > 1 and self.runner.graph_runner is not None:
-            from .graph import DraftGraphRunner
+        """Capture the steady-state draft as one graph per batch size, when the target runs graphs
+        and the backends declare DRAFT_EXTEND and DECODE graphs."""
+        choices = self.runner.attn_choices
+        if self.runner.graph_runner is None or "draft_extend" not in choices["prefill"].spec.graph_modes or (
+                self.num_steps > 1 and "decode" not in choices["decode"].spec.graph_modes):
+            return
+        from .graph import DraftGraphRunner
 
-            self.graphs = DraftGraphRunner(self)
-            self.graphs.capture()
+        self.graphs = DraftGraphRunner(self)
+        self.graphs.capture()
+
+    def window_inputs(self, max_bs: int) -> WindowInputs:
+        runner = self.runner
+        return WindowInputs(max_bs, self.window, self.topk, self.num_steps - 1, runner.model.hidden_size,
+                            runner.dtype, runner.device, self.memory, runner.req_to_token_pool.req_to_token,
+                            runner.req_to_token_pool.size - 1, runner.seq_len_fill_value)
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -84,25 +104,56 @@ class EagleWorker(SpecWorker):
 
     @torch.inference_mode()
     def draft(self, reqs: list) -> DraftTree:
+        if all(self._fits_window(r) for r in reqs):
+            if self.graphs is not None and self.graphs.can_run(len(reqs)):
+                candidates = self.graphs.replay(reqs)
+            else:
+                candidates = self._draft_window_eager(reqs)
+        else:
+            candidates = self._draft_pending(reqs)
+        return select_tree([r.all_ids[-1] for r in reqs], candidates, self.num_draft_tokens)
+
+    def _fits_window(self, req) -> bool:
+        state = req.spec_state
+        return state.features.shape[0] >= self.window and req.num_cached + 1 - state.start <= self.window
+
+    def _draft_window_eager(self, reqs: list) -> Candidates:
+        if self._eager_inputs is None or self._eager_inputs.max_bs < len(reqs):
+            self._eager_inputs = self.window_inputs(max(len(reqs), 8))
+        inputs = self._eager_inputs
+        inputs.load(reqs, [r.spec_state for r in reqs], len(reqs))
+
+        def prepare_extend(batch: ForwardBatch) -> None:
+            self.model_ctx.attn_backend = self.extend_backend
+            self.extend_backend.init_forward_metadata(batch)
+
+        return run_window_draft(self.head, inputs, len(reqs), prepare_extend, self.prepare_eager)
+
+    def _draft_pending(self, reqs: list) -> Candidates:
+        """Extend over exactly the pending tokens, then the beam steps, eagerly."""
         root_tokens, root_scores, root_features = self._extend(reqs)
+        candidates = Candidates(root_tokens, root_scores, torch.zeros_like(root_tokens))
+        if self.num_steps == 1:
+            return candidates
         beams = Beams(tokens=root_tokens.view(-1), scores=root_scores,
                       features=root_features.repeat_interleave(self.topk, 0),
                       node_ids=torch.arange(1, self.topk + 1, device=root_scores.device).expand(len(reqs), -1))
-        candidates = Candidates(root_tokens, root_scores, torch.zeros_like(root_tokens))
-        if self.num_steps > 1:
-            more = self._beam_steps(reqs, beams)
-            candidates = Candidates(*(torch.cat([a, b], 1) for a, b in zip(
-                (candidates.tokens, candidates.scores, candidates.parents), (more.tokens, more.scores, more.parents))))
-        return select_tree([r.all_ids[-1] for r in reqs], candidates, self.num_draft_tokens)
+        mem = self.memory
+        beam_rows = mem.beam_rows([r.row for r in reqs])
+        more = run_beam_steps(self.head, mem.kv_pool, mem.req_pool, beams, beam_rows.to(self.runner.device),
+                              mem.scratch(beam_rows).to(self.runner.device), self.beam_step_inputs(reqs),
+                              self.topk, self.prepare_eager)
+        return Candidates(*(torch.cat([a, b], 1) for a, b in zip(
+            (candidates.tokens, candidates.scores, candidates.parents), (more.tokens, more.scores, more.parents))))
 
     def _extend(self, reqs: list):
         """Draft extend over each request's pending tokens; the root's top-k (tokens, scores) and feature."""
         mem, device = self.memory, self.runner.device
         states = [r.spec_state for r in reqs]
         starts, ends = [s.start for s in states], [r.num_cached + 1 for r in reqs]
-        for st, r in zip(states, reqs):
-            assert st.features.shape[0] == r.num_cached + 1 - st.start, "EAGLE state out of step with the KV cache"
         lens = [e - s for s, e in zip(starts, ends)]
+        for st, n in zip(states, lens):
+            assert st.features.shape[0] >= n, "EAGLE state out of step with the KV cache"
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
         target_rows = torch.repeat_interleave(torch.tensor([r.row for r in reqs]), torch.tensor(lens))
         slots = self.runner.req_to_token_pool.req_to_token[target_rows.to(device), positions.to(device)]
@@ -114,7 +165,8 @@ class EagleWorker(SpecWorker):
         batch = _extend_batch(reqs, input_ids, positions, beam_rows[:: self.topk], starts, lens, slots, mem)
         self.model_ctx.attn_backend = self.extend_backend
         self.extend_backend.init_forward_metadata(batch)
-        features = self.head(batch.input_ids, torch.cat([s.features for s in states]), batch.positions, batch)
+        pending = torch.cat([s.features[-n:] for s, n in zip(states, lens)])
+        features = self.head(batch.input_ids, pending, batch.positions, batch)
         root_features = features[torch.tensor(lens, device=device).cumsum(0) - 1]  # [bs, H]
         scores, tokens = top_logprobs(self.head.logits(root_features), self.topk)
         return tokens, scores, root_features
@@ -138,15 +190,6 @@ class EagleWorker(SpecWorker):
             steps.append(StepInputs((roots + i).to(device), scratch[:, i - 1].to(device), seq.to(device), seq))
         return steps
 
-    def _beam_steps(self, reqs: list, beams: Beams) -> Candidates:
-        if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            return self.graphs.replay(reqs, beams)
-        mem = self.memory
-        beam_rows = mem.beam_rows([r.row for r in reqs])
-        return run_beam_steps(self.head, mem.kv_pool, mem.req_pool, beams, beam_rows.to(self.runner.device),
-                              mem.scratch(beam_rows).to(self.runner.device), self.beam_step_inputs(reqs),
-                              self.topk, self.prepare_eager)
-
     def prepare_eager(self, i: int, batch: ForwardBatch) -> None:
         self.model_ctx.attn_backend = self.step_backends[i]
         self.step_backends[i].init_forward_metadata(batch)
@@ -158,7 +201,9 @@ class EagleWorker(SpecWorker):
         for b, (req, acc) in enumerate(zip(reqs, accepted)):
             start = req.num_cached - len(acc.path) + 1  # the old root's position + 1
             path = torch.tensor(acc.path, device=hidden.device)
-            req.spec_state = EagleState(start=start, features=hidden[b].index_select(0, path))
+            # The old features end at the old root - 1; the path's continue from the old root.
+            kept = torch.cat([req.spec_state.features, hidden[b].index_select(0, path)])
+            req.spec_state = EagleState(start=start, features=kept[-max(len(acc.path), self.window):])
 
 
 def _extend_batch(reqs, input_ids, positions, rows, starts, lens, slots, mem: DraftMemory) -> ForwardBatch:

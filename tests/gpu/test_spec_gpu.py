@@ -85,6 +85,12 @@ def test_greedy_equals_plain_greedy(target, algo, backend, graphs):
         spec["speculative_draft_model"] = head
     plain = _engine(path, backend, graphs)
     eagle = _engine(path, backend, graphs, **spec)
+    replays = []  # batch sizes the EAGLE draft graph served
+    if graphs and spec["speculative_algorithm"] == "eagle":
+        draft_graphs = eagle.spec_worker.graphs
+        assert draft_graphs is not None and draft_graphs.graphs
+        replay = draft_graphs.replay
+        draft_graphs.replay = lambda reqs: (replays.append(len(reqs)), replay(reqs))[1]
     for bs in (1, 3, 16):
         prompts = _prompts(bs)
         params = SamplingParams(max_new_tokens=40, **GREEDY)
@@ -103,6 +109,8 @@ def test_greedy_equals_plain_greedy(target, algo, backend, graphs):
     if graphs:
         assert eagle.runner.graph_runner is not None
         assert any(k.mode.value == "target_verify" for k in eagle.runner.graph_runner.graphs)
+        if spec["speculative_algorithm"] == "eagle":  # steady-state drafts ran as one graph replay
+            assert len(replays) > stats.steps // 2 and max(replays) >= 3, (len(replays), stats.steps)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
