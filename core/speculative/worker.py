@@ -134,10 +134,12 @@ class SpecWorker(ABC):
         batch.extra["capture_hidden"] = self.capture_hidden
         output = self.runner.forward(batch)
         logits = output.logits.view(bs, n, -1)  # [bs, nodes, vocab]
-        choice = logits.argmax(-1)  # the target's greedy token after each node
-        logprobs = torch.log_softmax(logits, -1).gather(-1, choice.unsqueeze(-1)).squeeze(-1)
-        accepted = verify_greedy(tree, choice.cpu())
+        best, choice = logits.max(-1)  # the target's greedy token after each node
+        logprobs = best - torch.logsumexp(logits, -1)  # its log-probability, no [.., vocab] log-softmax
+        # One device-to-host copy for both (token ids are exact in float64).
+        choice, logprobs = torch.stack([choice.to(torch.float64), logprobs.to(torch.float64)]).cpu()
+        accepted = verify_greedy(tree, choice.to(torch.int64))
         commit_accepted(reqs, [a.path for a in accepted], self.runner.token_to_kv_pool,
                         self.runner.req_to_token_pool)
         self.stats.add(accepted)
-        return accepted, logprobs.cpu().tolist(), output
+        return accepted, logprobs.tolist(), output

@@ -225,7 +225,9 @@ def select_tree(roots: list[int], candidates: Candidates, num_nodes: int) -> Dra
     A child's score never exceeds its parent's (log-probabilities are <= 0) and a stable sort puts
     the parent (smaller id) first on ties, so the kept set always contains every kept node's parent.
     """
-    tokens, scores, parents = (t.cpu() for t in (candidates.tokens, candidates.scores, candidates.parents))
+    # One device-to-host copy (float64 holds the token ids, node ids and fp32 scores exactly).
+    packed = torch.stack([t.to(torch.float64) for t in (candidates.tokens, candidates.scores, candidates.parents)]).cpu()
+    tokens, scores, parents = packed[0].to(torch.int64), packed[1], packed[2].to(torch.int64)
     bs, count = scores.shape
     keep = torch.sort(-scores, dim=1, stable=True).indices[:, : num_nodes - 1].sort(dim=1).values
     where = torch.full((bs, count + 1), -1, dtype=torch.int64)  # node id -> index in the tree
