@@ -7,8 +7,8 @@
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
 #   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
-#   bench/gpu_suite.sh spec       the EAGLE GPU tests (triton and flashinfer side by side), the draft pool
-#                                 test, then bench/spec.py with its phase timing (alone on the GPU)
+#   bench/gpu_suite.sh spec       the EAGLE and attention-graph GPU tests (triton and flashinfer side by
+#                                 side), the draft pool test, then bench/spec.py with its phase timing
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -95,7 +95,8 @@ case "$what" in
     pids=()
     for b in triton flashinfer; do
       timeout -s INT "${TEST_LIMIT:-330}" python3 -m pytest -m gpu -q -rfEP -p no:cacheprovider --durations=3 \
-        tests/gpu/test_spec_gpu.py -k "$b and eagle${kexpr:+ and ($kexpr)}" > "$out/spec-tests-$b.log" 2>&1 &
+        tests/gpu/test_spec_gpu.py tests/gpu/test_conformance_gpu.py \
+        -k "$b and (eagle or graphs) and not share_the_pool${kexpr:+ and ($kexpr)}" > "$out/spec-tests-$b.log" 2>&1 &
       pids+=($!)
     done
     wait "${pids[0]}"; test_summary spec-tests-triton $?

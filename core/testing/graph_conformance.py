@@ -1,6 +1,7 @@
-"""Graph-replay conformance: capture a backend's decode in CUDA graphs at several batch sizes, then
-replay random padded batches over many steps and compare with the backend's own eager output and
-with torch_native. Needs CUDA; used by `attention_conformance.make_graph_suite`.
+"""Graph-replay conformance: capture a backend's decode (or a DRAFT_EXTEND of the same number of
+tokens in every request, as an EAGLE draft window) in CUDA graphs at several batch sizes, then
+replay random padded batches over many steps and compare with torch_native. Needs CUDA; used by
+`attention_conformance.make_graph_suite`.
 """
 
 from __future__ import annotations
@@ -19,63 +20,76 @@ PAD_ROW_SEQ = 1
 
 
 class DecodeWorld:
-    """`num_reqs` requests with random cached lengths; each step decodes a random subset."""
+    """`num_reqs` requests with random cached lengths; each step runs `tokens` new tokens of a
+    random subset (one: DECODE; more: a DRAFT_EXTEND without extend lengths, causal)."""
 
     def __init__(self, num_reqs: int, max_len: int, dtype, seed: int):
         case = Case("graph", "decode", tuple([max_len] * num_reqs), (1,) * num_reqs, num_heads=8, num_kv_heads=2)
         self.h = Harness(case, dtype, "cuda", seed)
-        self.rng = random.Random(seed)
+        self.rng, self.max_len = random.Random(seed), max_len
         self.cached = [self.rng.randint(1, max_len - 40) for _ in range(num_reqs)]
         self.pad_row = self.h.req_pool.alloc()  # an all-zero row: padded requests read slot 0
         self.h.req_pool.req_to_token[self.pad_row].zero_()
 
-    def step_batch(self, bs: int) -> ForwardBatch:
+    def step_batch(self, bs: int, tokens: int = 1) -> ForwardBatch:
         reqs = self.rng.sample(range(len(self.cached)), bs)
+        for r in reqs:  # keep every position inside the placed prefix
+            if self.cached[r] + tokens >= self.max_len:
+                self.cached[r] = self.rng.randint(1, self.max_len // 2)
         rows = [self.h.rows[r] for r in reqs]
-        seq = [self.cached[r] + 1 for r in reqs]
-        locs = torch.tensor([int(self.h.req_pool.req_to_token[row, s - 1]) for row, s in zip(rows, seq)])
+        seq = [self.cached[r] + tokens for r in reqs]
+        positions = [p for s in seq for p in range(s - tokens, s)]
+        r2t = self.h.req_pool.req_to_token.cpu()
+        locs = torch.tensor([int(r2t[row, p]) for row, s in zip(rows, seq) for p in range(s - tokens, s)])
         for r in reqs:
-            self.cached[r] += 1
+            self.cached[r] += tokens
         dev = self.h.device
-        return ForwardBatch(ForwardMode.DECODE, bs, torch.zeros(bs, dtype=torch.int64, device=dev),
-                            torch.tensor([s - 1 for s in seq], device=dev), torch.tensor(rows, device=dev),
+        mode = ForwardMode.DECODE if tokens == 1 else ForwardMode.DRAFT_EXTEND
+        return ForwardBatch(mode, bs, torch.zeros(bs * tokens, dtype=torch.int64, device=dev),
+                            torch.tensor(positions, device=dev), torch.tensor(rows, device=dev),
                             torch.tensor(seq, dtype=torch.int32, device=dev), torch.tensor(seq, dtype=torch.int32),
                             locs.to(dev), self.h.req_pool, self.h.kv_pool)
 
 
-def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps: int = 24, seed: int = 0) -> float:
-    """Returns the worst |graph - eager| seen; raises AssertionError on a mismatch."""
+def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps: int = 24, seed: int = 0,
+                       tokens: int = 1) -> float:
+    """Returns the worst |graph - torch_native| seen; raises AssertionError on a mismatch.
+
+    tokens: new tokens per request (1: DECODE graphs; more: uniform DRAFT_EXTEND graphs)."""
     from backplane.attention.torch_native import TorchNativeAttnBackend
 
     world = DecodeWorld(num_reqs=max(sizes) + 3, max_len=300, dtype=dtype, seed=seed)
     layer: AttentionLayerInfo = world.h.layer()
     backend = spec.factory(world.h.context())
     reference = TorchNativeAttnBackend(world.h.context())
-    max_bs = max(sizes)
-    backend.init_graph_state(max_bs, max_bs)
-    static = StaticInputs.allocate(max_bs, max_bs, "cuda")
-    q = torch.zeros(max_bs, layer.num_heads, layer.head_dim, dtype=dtype, device="cuda")
-    kv = torch.zeros(2, max_bs, layer.num_kv_heads, layer.head_dim, dtype=dtype, device="cuda")
+    max_bs, T = max(sizes), tokens
+    mode = ForwardMode.DECODE if T == 1 else ForwardMode.DRAFT_EXTEND
+    fill = max(spec.seq_len_fill_value, T)  # a padded request holds its T tokens
+    backend.init_graph_state(max_bs, max_bs * T)
+    static = StaticInputs.allocate(max_bs, max_bs * T, "cuda")
+    q = torch.zeros(max_bs * T, layer.num_heads, layer.head_dim, dtype=dtype, device="cuda")
+    kv = torch.zeros(2, max_bs * T, layer.num_kv_heads, layer.head_dim, dtype=dtype, device="cuda")
     graphs, outs = {}, {}
     for bs in sorted(sizes, reverse=True):
-        key = GraphKey(ForwardMode.DECODE, bs, 1)
-        batch = pad_into(static, world.step_batch(1), key, world.pad_row, spec.seq_len_fill_value)
+        key = GraphKey(mode, bs, T)
+        batch = pad_into(static, world.step_batch(1, T), key, world.pad_row, fill)
         backend.init_metadata_for_capture(key, batch)
+        n = bs * T
         for _ in range(2):
-            backend.forward(q[:bs], kv[0, :bs], kv[1, :bs], layer, batch)
+            backend.forward(q[:n], kv[0, :n], kv[1, :n], layer, batch)
         torch.cuda.synchronize()
         graphs[key] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[key]):
-            outs[key] = backend.forward(q[:bs], kv[0, :bs], kv[1, :bs], layer, batch)
+            outs[key] = backend.forward(q[:n], kv[0, :n], kv[1, :n], layer, batch)
     worst, rng = 0.0, random.Random(seed)
     for _ in range(steps):
-        real = world.step_batch(rng.randint(1, max_bs))
-        key = GraphKey(ForwardMode.DECODE, padded_size(real.batch_size, sorted(sizes)), 1)
-        n = real.batch_size
+        real = world.step_batch(rng.randint(1, max_bs), T)
+        key = GraphKey(mode, padded_size(real.batch_size, sorted(sizes)), T)
+        n = real.num_tokens
         new_q, new_k, new_v = (world.h.randn(n, layer.num_heads, layer.head_dim),
                                world.h.randn(n, layer.num_kv_heads, layer.head_dim),
                                world.h.randn(n, layer.num_kv_heads, layer.head_dim))
-        padded = pad_into(static, real, key, world.pad_row, spec.seq_len_fill_value)
+        padded = pad_into(static, real, key, world.pad_row, fill)
         q[:n].copy_(new_q)
         kv[0, :n].copy_(new_k)
         kv[1, :n].copy_(new_v)
@@ -85,7 +99,7 @@ def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps
         reference.init_forward_metadata(real)
         want = reference.forward(new_q, new_k, new_v, layer, real).float()
         tol = TOLERANCE[dtype]
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol,
-                                   msg=lambda m: f"graph replay at batch {n} (padded to {key.batch_size}): {m}")
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: (
+            f"{mode.value} graph replay at batch {real.batch_size} (padded to {key.batch_size}): {m}"))
         worst = max(worst, float((got - want).abs().max()))
     return worst
