@@ -88,10 +88,11 @@ class TokenToKVPool:
         if slots.numel() == 0:
             return
         slots = slots.to("cpu", torch.int64)
+        values = slots.tolist()
+        n = len(values)
+        assert min(values) > 0, "slot 0 is the dump slot and is never allocated"
+        assert len(set(values)) == n, "duplicate slots in one free"
         assert not bool(self._is_free[slots].any()), "double free of a KV slot"
-        assert bool((slots > 0).all()), "slot 0 is the dump slot and is never allocated"
-        assert slots.unique().numel() == slots.numel(), "duplicate slots in one free"
-        n = slots.numel()
         self._free[self._num_free : self._num_free + n] = slots
         self._num_free += n
         self._is_free[slots] = True

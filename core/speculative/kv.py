@@ -36,22 +36,23 @@ def commit_accepted(reqs: list, paths: list[list[int]], kv_pool: TokenToKVPool, 
     """
     freed, rows, cols, kept_all = [], [], [], []
     for req, path in zip(reqs, paths):
-        verify_slots = req.slots[-1]
-        keep = torch.zeros(verify_slots.numel(), dtype=torch.bool)
-        keep[path] = True
-        kept = verify_slots[path]  # in path (= position) order
-        freed.append(verify_slots[~keep])
-        req.slots[-1] = kept
+        verify_slots = req.slots[-1].tolist()
+        on_path = set(path)
+        kept = [verify_slots[n] for n in path]  # in path (= position) order
+        freed += [slot for n, slot in enumerate(verify_slots) if n not in on_path]
+        req.slots[-1] = torch.tensor(kept, dtype=torch.int64)
         rows += [req.row] * len(path)
         cols += range(req.num_cached, req.num_cached + len(path))
-        kept_all.append(kept)
+        kept_all += kept
         req.num_cached += len(path)
     if kept_all:
-        _write_rows(req_pool, rows, cols, torch.cat(kept_all))
-        kv_pool.free(torch.cat(freed))
+        _write_rows(req_pool, rows, cols, kept_all)
+        kv_pool.free(torch.tensor(freed, dtype=torch.int64))
 
 
-def _write_rows(req_pool: ReqToTokenPool, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
-    device = req_pool.req_to_token.device
-    req_pool.req_to_token[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = (
-        slots.to(device, torch.int32))
+def _write_rows(req_pool: ReqToTokenPool, rows: list[int], cols: list[int], slots: torch.Tensor | list[int]) -> None:
+    """req_to_token[rows[i], cols[i]] = slots[i], through one host-to-device copy."""
+    r2t = req_pool.req_to_token
+    slots = slots.tolist() if isinstance(slots, torch.Tensor) else slots
+    where = torch.tensor([rows, list(cols), slots], dtype=torch.int64).to(r2t.device, non_blocking=True)
+    r2t[where[0], where[1]] = where[2].to(torch.int32)
