@@ -120,8 +120,9 @@ def force_acceptance(worker, oracle: list[list[int]], prompt_len: int) -> None:
         for b, req in enumerate(reqs):
             done = len(req.all_ids) - prompt_len
             want = oracle[0][done:done + tree.num_nodes - 1]
+            tokens = tree.tokens if tree.tokens is not None else tree.device_tokens
             with torch.inference_mode():  # the draft's tensors are inference tensors
-                tree.tokens[b, 1:1 + len(want)] = torch.tensor(want, device=tree.tokens.device)
+                tokens[b, 1:1 + len(want)] = torch.tensor(want, device=tokens.device)
         return tree
 
     worker.draft = drafted

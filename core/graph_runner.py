@@ -132,7 +132,7 @@ def _pad_verify(static: StaticInputs, view: ForwardBatch, real_mask: torch.Tenso
                          f"got {total}")
     static.custom_mask[:real].copy_(real_mask.view(-1)[:real])
     static.custom_mask[real:total].fill_(True)
-    static.mask_indptr[: pbs + 1].copy_(indptr)
+    static.mask_indptr[: pbs + 1].copy_(indptr, non_blocking=True)  # a fresh host tensor: no stream sync
     static.extend_seq_lens[:pbs].fill_(tpr)
     torch.sub(static.seq_lens[:pbs], tpr, out=static.extend_prefix_lens[:pbs])
     view.custom_mask, view.mask_indptr = static.custom_mask[:total], static.mask_indptr[: pbs + 1]

@@ -150,3 +150,25 @@ def test_bad_draft_model_is_a_clear_error(target, tmp_path):
         Engine(str(target[0]), device="cpu", speculative_algorithm="eagle")
     with pytest.raises(ValueError, match="expected a directory with config.json"):
         Engine(str(target[0]), device="cpu", speculative_algorithm="eagle", speculative_draft_model=str(tmp_path))
+
+
+def test_chain_on_device_keeps_what_select_tree_keeps():
+    """Top-k 1: the draft hands verify the first num_draft_tokens - 1 candidates on the device;
+    they must be the ones select_tree keeps (scores fall with depth; ties keep the shallower)."""
+    from types import SimpleNamespace
+
+    from backplane.plugins.spec_eagle.beams import Candidates
+    from backplane.plugins.spec_eagle.worker import EagleWorker, select_tree
+
+    gen = torch.Generator().manual_seed(4)
+    bs, steps = 3, 7
+    drops = -torch.rand(bs, steps, generator=gen)
+    drops[:, 2] = 0.0  # a probability-1 step: equal scores at two depths
+    candidates = Candidates(torch.randint(3, 500, (bs, steps), generator=gen), drops.cumsum(1),
+                            torch.arange(steps).expand(bs, steps).clone())
+    roots = [5, 6, 7]
+    for n in (2, 4, 8):
+        want = select_tree(roots, candidates, n)
+        got = EagleWorker._chain(SimpleNamespace(num_draft_tokens=n), roots, candidates)
+        assert got.tokens is None and torch.equal(got.device_tokens, want.tokens)
+        assert torch.equal(got.parents, want.parents)

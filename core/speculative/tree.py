@@ -16,17 +16,23 @@ import torch
 
 @dataclass
 class DraftTree:
-    """The drafts of a batch, on the host.
+    """The drafts of a batch.
 
-    tokens: [bs, num_nodes] int64, tokens[:, 0] is the root (the last verified token)
-    parents: [bs, num_nodes] int64, parents[:, 0] == -1 and parents[:, i] < i
+    tokens: [bs, num_nodes] int64 on the host, tokens[:, 0] is the root (the last verified token);
+      None while they are only on the device (`device_tokens`): verify then feeds them to the
+      target without waiting for the draft, and fills `tokens` with its own device-to-host copy
+    parents: [bs, num_nodes] int64 on the host, parents[:, 0] == -1 and parents[:, i] < i
+    device_tokens: [bs, num_nodes] int64 on the device, or None
     """
 
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None
     parents: torch.Tensor
+    device_tokens: torch.Tensor | None = None
 
     def __post_init__(self):
-        assert self.tokens.shape == self.parents.shape, "tokens and parents must have one shape"
+        assert self.tokens is not None or self.device_tokens is not None, "a draft tree needs its tokens"
+        shape = (self.tokens if self.tokens is not None else self.device_tokens).shape
+        assert shape == self.parents.shape, "tokens and parents must have one shape"
         assert bool((self.parents[:, 0] == -1).all()), "node 0 is the root (parent -1)"
         idx = torch.arange(self.num_nodes)
         assert bool((self.parents[:, 1:] < idx[1:]).all()), "a parent must come before its child"
@@ -36,11 +42,11 @@ class DraftTree:
 
     @property
     def batch_size(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.parents.shape[0])
 
     @property
     def num_nodes(self) -> int:
-        return int(self.tokens.shape[1])
+        return int(self.parents.shape[1])
 
     @classmethod
     def chain(cls, tokens: torch.Tensor) -> DraftTree:

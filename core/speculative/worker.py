@@ -128,7 +128,9 @@ class SpecWorker(ABC):
         prefix = [r.num_cached for r in reqs]
         mask, indptr = verify_mask(tree, prefix)
         positions = (torch.tensor(prefix)[:, None] + tree.depths).view(-1)
-        batch = build_verify_batch(reqs, tree.tokens.view(-1).tolist(), positions.tolist(),
+        on_device = tree.tokens is None  # the draft's tokens go to the target without a round trip
+        input_ids = tree.device_tokens.view(-1) if on_device else tree.tokens.view(-1).tolist()
+        batch = build_verify_batch(reqs, input_ids, positions.tolist(),
                                    torch.cat([r.slots[-1] for r in reqs]), n, mask, indptr,
                                    self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
         batch.extra["capture_hidden"] = self.capture_hidden
@@ -136,8 +138,12 @@ class SpecWorker(ABC):
         logits = output.logits.view(bs, n, -1)  # [bs, nodes, vocab]
         best, choice = logits.max(-1)  # the target's greedy token after each node
         logprobs = best - torch.logsumexp(logits, -1)  # its log-probability, no [.., vocab] log-softmax
-        # One device-to-host copy for both (token ids are exact in float64).
-        choice, logprobs = torch.stack([choice.to(torch.float64), logprobs.to(torch.float64)]).cpu()
+        # One device-to-host copy for all (token ids are exact in float64).
+        rows = [choice, logprobs] + ([tree.device_tokens] if on_device else [])
+        host = torch.stack([t.to(torch.float64) for t in rows]).cpu()
+        choice, logprobs = host[0], host[1]
+        if on_device:
+            tree.tokens = host[2].to(torch.int64)
         accepted = verify_greedy(tree, choice.to(torch.int64))
         commit_accepted(reqs, [a.path for a in accepted], self.runner.token_to_kv_pool,
                         self.runner.req_to_token_pool)

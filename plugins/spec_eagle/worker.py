@@ -111,7 +111,20 @@ class EagleWorker(SpecWorker):
                 candidates = self._draft_window_eager(reqs)
         else:
             candidates = self._draft_pending(reqs)
-        return select_tree([r.all_ids[-1] for r in reqs], candidates, self.num_draft_tokens)
+        roots = [r.all_ids[-1] for r in reqs]
+        if self.topk == 1:
+            return self._chain(roots, candidates)
+        return select_tree(roots, candidates, self.num_draft_tokens)
+
+    def _chain(self, roots: list[int], candidates: Candidates) -> DraftTree:
+        """With top-k 1 the candidates are a chain whose scores only fall with depth, so the best
+        num_draft_tokens - 1 are the first ones (what select_tree keeps). The tokens stay on the
+        device: verify reads them without waiting for the draft to finish."""
+        n = self.num_draft_tokens
+        root = torch.tensor(roots, dtype=torch.int64).to(candidates.tokens.device, non_blocking=True)
+        tokens = torch.cat([root[:, None], candidates.tokens[:, : n - 1]], 1)
+        parents = (torch.arange(n, dtype=torch.int64) - 1).expand(len(roots), n).clone()
+        return DraftTree(None, parents, device_tokens=tokens)
 
     def _fits_window(self, req) -> bool:
         state = req.spec_state
@@ -200,7 +213,7 @@ class EagleWorker(SpecWorker):
         hidden = output.hidden_states.view(len(reqs), tree.num_nodes, -1)
         for b, (req, acc) in enumerate(zip(reqs, accepted)):
             start = req.num_cached - len(acc.path) + 1  # the old root's position + 1
-            path = torch.tensor(acc.path, device=hidden.device)
+            path = torch.tensor(acc.path).to(hidden.device, non_blocking=True)
             # The old features end at the old root - 1; the path's continue from the old root.
             kept = torch.cat([req.spec_state.features, hidden[b].index_select(0, path)])
             req.spec_state = EagleState(start=start, features=kept[-max(len(acc.path), self.window):])
