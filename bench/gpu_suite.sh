@@ -104,7 +104,7 @@ case "$what" in
     timeout -s INT 100 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -s tests/gpu/test_spec_gpu.py \
       -k share_the_pool > "$out/spec-tests-pool.log" 2>&1
     test_summary spec-tests-pool $?
-    step spec 220 python3 bench/spec.py --backend triton --phases --out "$out/spec.json" ;;
+    step spec 220 python3 bench/spec.py --backend triton --phases --token-map 32768 --out "$out/spec.json" ;;
   lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   plot) plot ;;

@@ -10,10 +10,12 @@
    - forced: every drafted token is accepted whatever the target chose (timing only: the tokens
      are not the target's; draft, verify, KV commit and feature hand-over run exactly as at full
      acceptance).
+   With --token-map N, the fixed-point figure is also measured for the same head drafting among
+   the first N token ids only (--speculative-token-map: a smaller lm_head in every draft step).
 3. Draft graph memory: growth of the shared pool when the draft graphs are captured after the
    target's, against a second copy of the draft graphs captured into a pool of their own.
 
-    python bench/spec.py --out spec.json [--backend triton|flashinfer]
+    python bench/spec.py --out spec.json [--backend triton|flashinfer] [--phases] [--token-map 32768]
     python bench/spec.py --model tiny-llama --device cpu --backend torch_native --new-tokens 24   # smoke run
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -268,6 +271,31 @@ def tokens_per_s(engine: Engine, prompt: list[int], n: int, on_start=None) -> tu
     return n / (time.perf_counter() - start), out.token_ids
 
 
+def fixed_point(engine: Engine, prompt: list[int], oracle: list[int], new_tokens: int, plain_tps: float) -> dict:
+    """Tokens/s drafting the target's own greedy continuation. In bf16 the verify pass may break a
+    near-tie differently from plain decoding, after which plain's continuation is no longer the
+    target's; so the continuation is iterated to a fixed point (drafting what verify chose)."""
+    worker = engine.spec_worker
+    pad = [0] * NUM_DRAFT
+    current = [oracle + pad]
+    draft = worker.draft
+    force_acceptance(worker, current, len(prompt))
+
+    def fresh_stats():
+        worker.stats = type(worker.stats)()
+
+    for rounds in range(1, 6):
+        tps, ids = tokens_per_s(engine, prompt, new_tokens, on_start=fresh_stats)
+        if ids + pad == current[0]:
+            break
+        current[0] = ids + pad
+    worker.draft = draft
+    first_diff = next((j for j, (a, b) in enumerate(zip(ids, oracle)) if a != b), None)
+    return dict(eagle_full_acceptance_tok_s=tps, speedup=tps / plain_tps,
+                acceptance_length=worker.stats.mean_acceptance_length, continuation_rounds=rounds,
+                same_tokens_as_plain=ids == oracle, first_difference_from_plain=first_diff)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="triton")
@@ -281,6 +309,8 @@ def main() -> None:
                    help="how full acceptance is reached (see the module doc)")
     p.add_argument("--phases", action="store_true",
                    help="also time the speculative step's phases (synchronised) at forced full acceptance")
+    p.add_argument("--token-map", type=int, default=0, metavar="N",
+                   help="also measure the full-acceptance tokens/s with a token map of the first N ids")
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     from backplane.models.presets import get_preset
@@ -295,11 +325,11 @@ def main() -> None:
     if ns.device == "cuda":
         torch.cuda.empty_cache()
     plugin_options = {"triton-attention": {"verify_kernel": ns.verify_kernel}} if ns.verify_kernel else None
-    with tempfile.TemporaryDirectory() as folder:
-        head = random_head(Path(folder), config, common_dtype(common))
-        eagle = Engine(ns.model, attention_backend=ns.backend, speculative_algorithm="eagle", speculative_draft_model=head,
-                       speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=NUM_DRAFT,
-                       plugin_options=plugin_options, **common)
+    folder = tempfile.mkdtemp()  # the head (and a token map): removed at the end
+    head_dir = random_head(Path(folder), config, common_dtype(common))
+    eagle = Engine(ns.model, attention_backend=ns.backend, speculative_algorithm="eagle", speculative_draft_model=head_dir,
+                   speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=NUM_DRAFT,
+                   plugin_options=plugin_options, **common)
     verify_rows = verify_vs_decode(eagle, [1, 4, 8], vocab)
     profiles = None
     if ns.profile:
@@ -335,23 +365,17 @@ def main() -> None:
             for k, v in batch1["phases_ms"].items():
                 print(f"  {k:<26} {v:7.3f}")
     if ns.acceptance in ("both", "fixed-point"):
-        # Draft the target's own greedy continuation. In bf16 the verify pass may break a near-tie
-        # differently from plain decoding, after which plain's continuation is no longer the
-        # target's; so the continuation is iterated to a fixed point (drafting what verify chose).
-        pad = [0] * NUM_DRAFT
-        current = [oracle + pad]
-        draft = worker.draft
-        force_acceptance(worker, current, len(prompt))
-        for rounds in range(1, 6):
-            eagle_tps, eagle_ids = tokens_per_s(eagle, prompt, ns.new_tokens, on_start=fresh_stats)
-            if eagle_ids + pad == current[0]:
-                break
-            current[0] = eagle_ids + pad
-        worker.draft = draft
-        first_diff = next((j for j, (a, b) in enumerate(zip(eagle_ids, oracle)) if a != b), None)
-        batch1.update(eagle_full_acceptance_tok_s=eagle_tps, speedup=eagle_tps / plain_tps,
-                      acceptance_length=worker.stats.mean_acceptance_length, continuation_rounds=rounds,
-                      same_tokens_as_plain=eagle_ids == oracle, first_difference_from_plain=first_diff)
+        batch1.update(fixed_point(eagle, prompt, oracle, ns.new_tokens, plain_tps))
+    if ns.token_map:
+        # The same head drafting among the first N token ids only (a smaller lm_head per draft step).
+        token_map = Path(folder) / "token_map.pt"
+        torch.save(torch.arange(ns.token_map), token_map)
+        mapped = Engine(ns.model, attention_backend=ns.backend, speculative_algorithm="eagle",
+                        speculative_draft_model=head_dir, speculative_num_steps=STEPS, speculative_eagle_topk=1,
+                        speculative_num_draft_tokens=NUM_DRAFT, speculative_token_map=str(token_map),
+                        plugin_options=plugin_options, **common)
+        batch1["token_map"] = {"size": ns.token_map, **fixed_point(mapped, prompt, oracle, ns.new_tokens, plain_tps)}
+        del mapped
     # Last: a second draft runner re-points the step backends' graph buffers at its own.
     pools = draft_graph_memory(eagle) if ns.device == "cuda" else None
     report = {
@@ -371,11 +395,17 @@ def main() -> None:
               f"= {b['speedup']:.2f}x, acceptance length {b['acceptance_length']:.2f} (fixed after "
               f"{b['continuation_rounds']} rounds; first difference from plain greedy at token "
               f"{b['first_difference_from_plain']})")
+    if "token_map" in b:
+        t = b["token_map"]
+        print(f"batch 1, target's own continuation, token map of {t['size']} ids: eagle "
+              f"{t['eagle_full_acceptance_tok_s']:.0f} tok/s = {t['speedup']:.2f}x, acceptance length "
+              f"{t['acceptance_length']:.2f}")
     if pools:
         print(f"graph pool: target {pools['target_graphs_mb']:.1f} MB; draft graphs added {pools['draft_shared_mb']:.1f} MB "
               f"to it, {pools['draft_alone_mb']:.1f} MB in a pool of their own")
     if ns.out:
         Path(ns.out).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

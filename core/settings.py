@@ -67,6 +67,8 @@ class ServerArgs(BaseSettings):
     speculative_num_steps: int = Field(3, ge=1, description="draft steps")
     speculative_eagle_topk: int = Field(1, ge=1, description="branching factor of the draft tree")
     speculative_num_draft_tokens: int = Field(4, ge=1, description="draft tokens verified per step")
+    speculative_token_map: str | None = Field(
+        None, description="EAGLE: a .pt file of token ids the draft chooses among (a smaller lm_head)")
     # CUDA graphs and compilation
     cuda_graph_bs: IntList | None = Field(None, description="batch sizes to capture")
     cuda_graph_max_bs: int = Field(160, ge=1, description="largest batch size to capture")

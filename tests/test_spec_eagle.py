@@ -172,3 +172,43 @@ def test_chain_on_device_keeps_what_select_tree_keeps():
         got = EagleWorker._chain(SimpleNamespace(num_draft_tokens=n), roots, candidates)
         assert got.tokens is None and torch.equal(got.device_tokens, want.tokens)
         assert torch.equal(got.parents, want.parents)
+
+
+def test_token_map_restricts_the_draft_vocabulary(target, exact_head, tmp_path):
+    """--speculative-token-map: a map of every token keeps the exact head's full acceptance; a map
+    without the target's tokens drafts only mapped tokens (acceptance falls) and output stays greedy."""
+    path, model = target
+    vocab = model.config.vocab_size
+    spec = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    plain, _ = _engines(path, exact_head)
+    prompts = _prompts(21, 6)
+    params = [SamplingParams(max_new_tokens=20, **GREEDY)] * len(prompts)
+    want = plain.generate(input_ids=prompts, sampling_params=params)
+
+    everything = tmp_path / "all.pt"
+    torch.save(torch.randperm(vocab), everything)  # any order: the map is a set
+    few = tmp_path / "few.pt"
+    torch.save(list(range(3, 13)), few)  # a list of ids works too
+    for token_map, full in ((everything, True), (few, False)):
+        _, eagle = _engines(path, exact_head, speculative_token_map=str(token_map), **spec)
+        got = eagle.generate(input_ids=prompts, sampling_params=params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        worker = eagle.spec_worker
+        if full:
+            assert worker.stats.mean_acceptance_length == 4, worker.stats.histogram
+        else:
+            assert worker.head.hot_ids.tolist() == list(range(3, 13))
+            assert worker.stats.mean_acceptance_length < 4
+            drafted = worker.head.top_tokens(torch.randn(5, model.config.hidden_size), 3)[1]
+            assert set(drafted.view(-1).tolist()) <= set(range(3, 13))
+
+
+def test_bad_token_map_is_a_clear_error(target, exact_head, tmp_path):
+    bad = tmp_path / "bad.pt"
+    torch.save(torch.tensor([1, 2, 10 ** 6]), bad)
+    with pytest.raises(ValueError, match=r"--speculative-token-map .*expected token ids in \[0, "):
+        _engines(target[0], exact_head, speculative_token_map=str(bad))
+    with pytest.raises(ValueError, match="--speculative-token-map .*no such file"):
+        _engines(target[0], exact_head, speculative_token_map=str(tmp_path / "missing.pt"))
+    with pytest.raises(ValueError, match="--speculative-token-map: only algorithms with a draft model"):
+        Engine(str(target[0]), device="cpu", speculative_algorithm="ngram", speculative_token_map=str(bad))

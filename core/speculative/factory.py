@@ -23,6 +23,9 @@ def check_spec_settings(args: Any, plugin_set: Any) -> Any:
                          f"{','.join(args.lora_paths)}; drop one of the two")
     if spec.needs_draft_model and not args.speculative_draft_model:
         raise ValueError(f"--speculative-algorithm {name}: needs a draft model; pass --speculative-draft-model PATH")
+    if getattr(args, "speculative_token_map", None) and not spec.needs_draft_model:
+        raise ValueError(f"--speculative-token-map: only algorithms with a draft model (eagle) use it; "
+                         f"--speculative-algorithm is {name}")
     return spec
 
 

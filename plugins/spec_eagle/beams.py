@@ -69,7 +69,7 @@ def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, sc
                              step.seq_lens_cpu, step.out_cache_loc, req_pool, kv_pool)
         prepare(i, batch)
         features = head(beams.tokens, beams.features, step.positions, batch)  # [bs * topk, H]
-        child_lp, child_tok = top_logprobs(head.logits(features), topk)  # [bs * topk, topk]
+        child_lp, child_tok = head.top_tokens(features, topk)  # [bs * topk, topk]
         # A child's score is its path's log-probability: parent score + its own log-prob.
         child_scores = (beams.scores.unsqueeze(-1) + child_lp.view(bs, topk, topk)).view(bs, topk * topk)
         child_tokens = child_tok.view(bs, topk * topk)

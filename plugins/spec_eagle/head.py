@@ -7,6 +7,8 @@ A checkpoint directory holds config.json (Llama-like, one layer) and safetensors
 `fc.weight` [hidden, 2 * hidden] (optionally `fc.bias`) and `layers.0.*` (or `model.layers.0.*`).
 Optional: `embed_tokens.weight` (else the target's embedding is shared), `layers.0.input_layernorm`
 (EAGLE checkpoints usually drop it: identity), `norm.weight` (else the feature is the residual sum).
+A token map (`--speculative-token-map`, a saved list of token ids as SGLang takes) restricts the
+draft to those tokens: the lm_head keeps their rows only, which each draft step then reads.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch import nn
 from backplane.layers.embedding import VocabParallelEmbedding
 from backplane.layers.norm import RMSNorm
 from backplane.speculative.draft_parts import iterate_safetensors, llama_decoder_layer, load_config, load_named_weights
+
+from .beams import top_logprobs
 
 
 class EagleHead(nn.Module):
@@ -39,6 +43,8 @@ class EagleHead(nn.Module):
         # NOTE: a tuple, not submodules: the target's weights are shared, never loaded here.
         self._target = (target.model.embed_tokens, target.lm_head)
         self.vocab_size = int(target.vocab_size)
+        self.hot_ids: torch.Tensor | None = None  # the token map, when one restricts the draft's vocabulary
+        self.hot_weight: torch.Tensor | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens if hasattr(self, "embed_tokens") else self._target[0]
@@ -54,6 +60,39 @@ class EagleHead(nn.Module):
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """feature [N, H] -> fp32 logits [N, vocab] through the target's lm_head."""
         return F.linear(feature, self._target[1].weight)[:, : self.vocab_size].float()
+
+    def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best (log-probability, token id) after each feature [N, H]; among the token map's
+        tokens only when one is set (log-probabilities normalised over them)."""
+        if self.hot_ids is None:
+            return top_logprobs(self.logits(feature), k)
+        scores, index = top_logprobs(F.linear(feature, self.hot_weight).float(), k)
+        return scores, self.hot_ids[index]
+
+    def restrict_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """Draft only among `token_ids` (SGLang's --speculative-token-map): the lm_head keeps their
+        rows, so each draft step reads len(token_ids) rows instead of the whole vocabulary."""
+        weight = self._target[1].weight
+        self.hot_ids = token_ids.to(weight.device, torch.int64)
+        self.hot_weight = weight.index_select(0, self.hot_ids).contiguous()
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """The token ids of a token map file (a saved tensor or list of ids, as SGLang's), sorted and
+    without duplicates; a clear ValueError for a missing file or ids outside the vocabulary."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"--speculative-token-map {path!r}: no such file; expected a .pt file holding a "
+                         "tensor or list of token ids")
+    try:
+        ids = torch.as_tensor(torch.load(file, map_location="cpu", weights_only=True), dtype=torch.int64).view(-1)
+    except Exception as exc:  # noqa: BLE001 - any unreadable content gets the same clear message
+        raise ValueError(f"--speculative-token-map {path!r}: expected a tensor or list of token ids saved with "
+                         f"torch.save, could not read it: {type(exc).__name__}: {exc}") from exc
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        got = f"{ids.numel()} ids" + (f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else "")
+        raise ValueError(f"--speculative-token-map {path!r}: expected token ids in [0, {vocab_size}), got {got}")
+    return torch.unique(ids)
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 
 from backplane.batch import ForwardBatch, ForwardMode
 
-from .beams import Beams, Candidates, StepInputs, run_beam_steps, top_logprobs
+from .beams import Beams, Candidates, StepInputs, run_beam_steps
 
 
 class WindowInputs:
@@ -162,7 +162,7 @@ def run_window_draft(head, inputs: WindowInputs, pbs: int, prepare_extend: Calla
     prepare_extend(batch)
     features = head(batch.input_ids, inputs.features[: pbs * T], batch.positions, batch)  # [pbs * T, H]
     root = features.view(pbs, T, -1)[:, -1]  # the root is the last token of each window
-    scores, tokens = top_logprobs(head.logits(root), k)
+    scores, tokens = head.top_tokens(root, k)
     first = Candidates(tokens, scores, torch.zeros_like(tokens))
     if inputs.depths == 0:
         return first

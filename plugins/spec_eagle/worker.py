@@ -24,8 +24,8 @@ from backplane.layers.attention import Attention
 from backplane.models.base import ModelContext
 from backplane.speculative import DraftTree, SpecWorker
 
-from .beams import Beams, Candidates, StepInputs, run_beam_steps, top_logprobs
-from .head import load_eagle_head
+from .beams import Beams, Candidates, StepInputs, run_beam_steps
+from .head import load_eagle_head, load_token_map
 from .memory import DraftMemory
 from .window import WindowInputs, run_window_draft
 
@@ -55,6 +55,8 @@ class EagleWorker(SpecWorker):
         self.model_ctx = ModelContext(ops=runner.model_ctx.ops, dtype=runner.dtype, device=runner.device,
                                       parallel=runner.model_ctx.parallel)
         self.head = load_eagle_head(args.speculative_draft_model, runner.model, self.model_ctx)
+        if getattr(args, "speculative_token_map", None):
+            self.head.restrict_vocabulary(load_token_map(args.speculative_token_map, self.head.vocab_size))
         infos = [m.info for m in self.head.modules() if isinstance(m, Attention)]
         self.memory = DraftMemory(runner, infos[0], self.topk, self.num_steps)
         mem = self.memory
@@ -181,7 +183,7 @@ class EagleWorker(SpecWorker):
         pending = torch.cat([s.features[-n:] for s, n in zip(states, lens)])
         features = self.head(batch.input_ids, pending, batch.positions, batch)
         root_features = features[torch.tensor(lens, device=device).cumsum(0) - 1]  # [bs, H]
-        scores, tokens = top_logprobs(self.head.logits(root_features), self.topk)
+        scores, tokens = self.head.top_tokens(root_features, self.topk)
         return tokens, scores, root_features
 
     def _write_scratch_columns(self, beam_rows: torch.Tensor, roots: torch.Tensor) -> None:
