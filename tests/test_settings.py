@@ -33,6 +33,7 @@ SAMPLES = {
     "speculative_num_steps": (["5"], "5", 5),
     "speculative_eagle_topk": (["4"], "4", 4),
     "speculative_num_draft_tokens": (["8"], "8", 8),
+    "speculative_token_map": (["map.pt"], "map.pt", "map.pt"),
     "cuda_graph_bs": (["8", "1", "4"], "8,1,4", [1, 4, 8]),
     "cuda_graph_max_bs": (["64"], "64", 64),
     "disable_cuda_graph": ([], "true", True),
