@@ -53,6 +53,11 @@ class Candidates:
     scores: torch.Tensor
     parents: torch.Tensor
 
+    def then(self, more: Candidates) -> Candidates:
+        """These candidates followed by `more` (deeper ones), per request."""
+        return Candidates(torch.cat([self.tokens, more.tokens], 1), torch.cat([self.scores, more.scores], 1),
+                          torch.cat([self.parents, more.parents], 1))
+
 
 def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, scratch: torch.Tensor,
                    steps: list[StepInputs], topk: int, prepare: Callable[[int, ForwardBatch], None]) -> Candidates:

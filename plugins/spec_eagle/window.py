@@ -171,5 +171,4 @@ def run_window_draft(head, inputs: WindowInputs, pbs: int, prepare_extend: Calla
     d = inputs.d
     more = run_beam_steps(head, inputs.memory.kv_pool, inputs.memory.req_pool, beams, d["beam_rows"][: pbs * k],
                           d["step_loc"][:, : pbs * k].t(), inputs.steps(pbs), k, prepare_step)
-    return Candidates(*(torch.cat([a, b], 1) for a, b in zip(
-        (first.tokens, first.scores, first.parents), (more.tokens, more.scores, more.parents))))
+    return first.then(more)

@@ -158,8 +158,7 @@ class EagleWorker(SpecWorker):
         more = run_beam_steps(self.head, mem.kv_pool, mem.req_pool, beams, beam_rows.to(self.runner.device),
                               mem.scratch(beam_rows).to(self.runner.device), self.beam_step_inputs(reqs),
                               self.topk, self.prepare_eager)
-        return Candidates(*(torch.cat([a, b], 1) for a, b in zip(
-            (candidates.tokens, candidates.scores, candidates.parents), (more.tokens, more.scores, more.parents))))
+        return candidates.then(more)
 
     def _extend(self, reqs: list):
         """Draft extend over each request's pending tokens; the root's top-k (tokens, scores) and feature."""
