@@ -47,9 +47,8 @@ class WindowInputs:
         self.host32, self.dev32, f32 = _flat(sizes32, torch.int32, device, pin)
         self.h = {**f64[0], **f32[0]}  # host views
         self.d = {**f64[1], **f32[1]}  # device views
-        for name in ("step_positions", "step_loc"):
+        for name in ("step_positions", "step_loc", "step_seq"):
             self.h[name], self.d[name] = self.h[name].view(depths, nb), self.d[name].view(depths, nb)
-        self.h["step_seq"], self.d["step_seq"] = self.h["step_seq"].view(depths, nb), self.d["step_seq"].view(depths, nb)
         self.out_cache_loc = torch.zeros(nt, dtype=torch.int64, device=device)
         self.features = torch.zeros(nt, hidden, dtype=dtype, device=device)
         self.node_ids = torch.arange(1, topk + 1, device=device).repeat(max_bs, 1)
