@@ -70,7 +70,7 @@ def main() -> None:
     ns = p.parse_args()
 
     from backplane import Engine
-    from backplane.graph_runner import global_graph_pool
+    from backplane.executor.graph_runner import global_graph_pool
     from backplane.plugins.spec_eagle.graph import DraftGraphRunner
 
     sys.path.insert(0, str(Path(__file__).parent))

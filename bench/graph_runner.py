@@ -22,8 +22,8 @@ COPY_BANDWIDTH = 4.30e12  # bytes/s, device-to-device copy measured on the H200 
 
 
 def runner_for(model: str, backend: str, max_bs: int, context: int):
-    from backplane.model_runner import ModelRunner
-    from backplane.plugin_manager import load_plugins
+    from backplane.executor.model_runner import ModelRunner
+    from backplane.plugin.manager import load_plugins
     from backplane.settings import build_server_args
 
     plugin_set = load_plugins()
@@ -38,7 +38,7 @@ def runner_for(model: str, backend: str, max_bs: int, context: int):
 
 
 def bench_backend(model: str, backend: str, sizes: list[int], context: int, steps: int) -> dict:
-    from backplane.bench_one_batch import measure
+    from backplane.cli.bench import measure
 
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -63,8 +63,8 @@ def bench_backend(model: str, backend: str, sizes: list[int], context: int, step
 
 def replay_ms(graph_runner, bs: int, reps: int = 50) -> float:
     """GPU time of the captured decode graph alone (no host-side batch building or sampling)."""
-    from backplane.batch import ForwardMode
-    from backplane.graph_sizes import GraphKey, padded_size
+    from backplane.executor.batch import ForwardMode
+    from backplane.executor.graph_sizes import GraphKey, padded_size
 
     graph = graph_runner.graphs[GraphKey(ForwardMode.DECODE, padded_size(bs, graph_runner.sizes), 1)]
     for _ in range(5):

@@ -78,8 +78,8 @@ def write_dummy_adapter(path: Path, config, rank: int, seed: int) -> None:
 def build_runner(ns: argparse.Namespace, lora_paths: list[str]):
     """A model runner (and its LoRA manager, None without adapters) with graphs for one batch size."""
     from backplane.lora.manager import attach_lora
-    from backplane.model_runner import ModelRunner
-    from backplane.plugin_manager import load_plugins
+    from backplane.executor.model_runner import ModelRunner
+    from backplane.plugin.manager import load_plugins
     from backplane.settings import build_server_args
 
     plugin_set = load_plugins()

@@ -200,7 +200,7 @@ def draft_graph_memory(engine: Engine) -> dict | None:
     shared = engine.spec_worker.graphs
     if shared is None:
         return None
-    from backplane.graph_runner import pool_bytes
+    from backplane.executor.graph_runner import pool_bytes
 
     target_mb = engine.runner.graph_runner.graph_memory_bytes / 2**20
     alone = DraftGraphRunner(engine.spec_worker, pool=torch.cuda.graph_pool_handle())

@@ -44,7 +44,7 @@ def engine_for(ns: argparse.Namespace, model: str, dtype: str):
 
 
 def latency(engine, ns: argparse.Namespace) -> list[dict]:
-    from backplane.bench_one_batch import measure
+    from backplane.cli.bench import measure
 
     runner = engine.runner
     mode = "graph" if runner.graph_runner is not None else "eager"

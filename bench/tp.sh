@@ -24,7 +24,7 @@ for tp in $sizes; do
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 if [ "$what" = all ] && [ -f "$out/tp1.json" ] && [ -f "$out/tp2.json" ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_tp.py 2>&1 | tee "$out/tp_tests.log" | tail -15
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/distributed/test_tp.py 2>&1 | tee "$out/tp_tests.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   python3 bench/tp.py compare "$out/tp1.json" "$out/tp2.json" || status=1
 fi

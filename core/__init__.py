@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from backplane.hookspecs import hookimpl, hookspec
-from backplane.registry import (
+from backplane.plugin.hookspecs import hookimpl, hookspec
+from backplane.plugin.registry import (
+    ALL_MODES,
     AttentionBackendSpec,
     CustomOpImpl,
     LoraBackendSpec,
@@ -23,12 +24,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "backplane.engine",
     "SamplingParams": "backplane.engine",
-    "ForwardBatch": "backplane.batch",
-    "ForwardMode": "backplane.batch",
+    "ForwardBatch": "backplane.executor.batch",
+    "ForwardMode": "backplane.executor.batch",
     "AttentionBackend": "backplane.attention.base",
+    "ReqToTokenPool": "backplane.executor.memory",
+    "TokenToKVPool": "backplane.executor.memory",
 }
 
 __all__ = [
+    "ALL_MODES",
     "AttentionBackendSpec",
     "CustomOpImpl",
     "LoraBackendSpec",

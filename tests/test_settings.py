@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backplane.cli import main, parse_server_args
-from backplane.plugin_manager import load_plugins
+from backplane.plugin.manager import load_plugins
 from backplane.settings import ServerArgs, SettingsError, env_name, flag_name
 
 # One valid non-default value per field: (CLI words, env string, expected parsed value).

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backplane.batch import ForwardBatch
+from backplane.executor.batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from backplane.memory import ReqToTokenPool, TokenToKVPool
+    from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The builtin plugin that registers the torch_native attention backend, like any other plugin."""
 
 from backplane.attention.torch_native import SPEC
-from backplane.hookspecs import hookimpl
+from backplane.plugin.hookspecs import hookimpl
 
 
 @hookimpl

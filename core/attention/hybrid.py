@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from backplane.attention.base import AttentionBackend, AttentionLayerInfo
-from backplane.batch import ForwardBatch
+from backplane.executor.batch import ForwardBatch
 
 
 class HybridAttnBackend(AttentionBackend):

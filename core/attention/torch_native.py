@@ -17,8 +17,8 @@ from backplane.attention.base import (
     AttentionBackendContext,
     AttentionLayerInfo,
 )
-from backplane.batch import ForwardBatch, ForwardMode
-from backplane.registry import AttentionBackendSpec
+from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.plugin.registry import AttentionBackendSpec
 
 
 @dataclass(frozen=True)

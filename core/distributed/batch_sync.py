@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane.executor.batch import ForwardBatch, ForwardMode
 
 # Optional ForwardBatch tensors sent when set (host copies go as they are, device ones are copied).
 OPTIONAL_FIELDS = ("extend_prefix_lens_cpu", "extend_seq_lens_cpu", "custom_mask", "mask_indptr", "logits_indices")

@@ -10,4 +10,4 @@ import transformers  # noqa: F401
 from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: F401
 
 import backplane.distributed.worker  # noqa: F401
-import backplane.model_runner  # noqa: F401
+import backplane.executor.model_runner  # noqa: F401

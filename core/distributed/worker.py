@@ -44,8 +44,8 @@ def build_rank(config: WorkerConfig):
 
     from backplane.distributed.lora_sync import LoraMirror
     from backplane.lora.manager import attach_lora
-    from backplane.model_runner import ModelRunner
-    from backplane.plugin_manager import load_plugins
+    from backplane.executor.model_runner import ModelRunner
+    from backplane.plugin.manager import load_plugins
 
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane.executor.batch import ForwardBatch, ForwardMode
 from backplane.engine.request import Req
-from backplane.memory import ReqToTokenPool, TokenToKVPool
+from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 
 def _assign_slots(reqs: list[Req], counts: list[int], kv_pool: TokenToKVPool,

@@ -12,7 +12,7 @@ from backplane.engine.sampling_params import SamplingParams
 from backplane.engine.scheduler import Scheduler
 from backplane.engine.tokenizer import eos_ids, load_tokenizer
 from backplane.lora.manager import attach_lora
-from backplane.plugin_manager import PluginSet, load_plugins
+from backplane.plugin.manager import PluginSet, load_plugins
 from backplane.settings import ServerArgs, build_server_args
 from backplane.speculative.factory import build_spec_worker, check_spec_settings, sampling_refusal
 
@@ -31,7 +31,7 @@ class Engine:
                  plugin_options: dict[str, dict[str, Any]] | None = None,
                  server_args: ServerArgs | None = None, plugin_set: PluginSet | None = None, **kwargs: Any):
         from backplane.distributed.driver import start_tensor_parallel, tp_startup
-        from backplane.model_runner import ModelRunner
+        from backplane.executor.model_runner import ModelRunner
 
         if model is not None:
             kwargs["model"] = model

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from backplane.batch import ForwardBatch
+from backplane.executor.batch import ForwardBatch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.request import FinishReason, Req
 from backplane.engine.stopping import check_stop

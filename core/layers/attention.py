@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from backplane.attention.base import AttentionLayerInfo
-from backplane.batch import ForwardBatch
+from backplane.executor.batch import ForwardBatch
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 """The core's builtin plugin for LoRA: registers the torch_native reference backend."""
 
-from backplane.hookspecs import hookimpl
+from backplane.plugin.hookspecs import hookimpl
 
 
 @hookimpl

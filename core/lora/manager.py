@@ -21,13 +21,13 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from backplane.graph_sizes import GraphParticipant
+from backplane.executor.graph_sizes import GraphParticipant
 from backplane.lora.adapter import AdapterError, LoraAdapter, ProjectionShape, load_adapter, read_adapter_config
 from backplane.lora.base import LoraBackendContext
 from backplane.lora.batch_info import LoraBatchInfo
 from backplane.lora.layers import LoraLinear, LoraRuntime, full_projection_shape, wrap_model
 from backplane.lora.pool import SlotPool
-from backplane.selection import LoraRequirements, select_lora_backend
+from backplane.plugin.selection import LoraRequirements, select_lora_backend
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class LoraManager:
     """Adapters, their device slots and the LoRA backend of one model runner."""
 
     def __init__(self, runner: Any) -> None:
-        from backplane.model_runner import dtype_name
+        from backplane.executor.model_runner import dtype_name
 
         args = runner.args
         self.paths = args.lora_path_map
@@ -212,6 +212,6 @@ def attach_lora(runner: Any) -> LoraManager | None:
 
 def _check_unused_backend_name(runner: Any) -> None:
     """Without adapters no LoRA backend is built, but a misspelt --lora-backend is still an error."""
-    from backplane.selection import require_known
+    from backplane.plugin.selection import require_known
 
     require_known(runner.registry, "lora", runner.args.lora_backend, "--lora-backend")

@@ -11,7 +11,7 @@ import torch
 
 from backplane.lora.base import LoraBackend, LoraBackendContext
 from backplane.lora.batch_info import LoraBatchInfo
-from backplane.registry import LoraBackendSpec
+from backplane.plugin.registry import LoraBackendSpec
 
 
 class TorchNativeLoraBackend(LoraBackend):

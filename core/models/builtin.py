@@ -1,7 +1,7 @@
 """The builtin plugin that registers the Llama-family models, like any other plugin would."""
 
-from backplane.hookspecs import hookimpl
-from backplane.registry import ModelSpec
+from backplane.plugin.hookspecs import hookimpl
+from backplane.plugin.registry import ModelSpec
 
 _DESCRIPTIONS = {
     "LlamaForCausalLM": "Llama 2/3 (rope scaling: linear, llama3)",

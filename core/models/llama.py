@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from backplane.batch import ForwardBatch
+from backplane.executor.batch import ForwardBatch
 from backplane.layers.activation import SiluAndMul
 from backplane.layers.attention import Attention
 from backplane.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -1,8 +1,8 @@
 """The builtin plugin that registers the native custom ops, through the same hook as any plugin."""
 
-from backplane.hookspecs import hookimpl
+from backplane.plugin.hookspecs import hookimpl
 from backplane.ops.native import NATIVE_OPS
-from backplane.registry import CustomOpImpl
+from backplane.plugin.registry import CustomOpImpl
 
 
 @hookimpl

@@ -11,7 +11,7 @@ from typing import Callable
 
 from backplane.ops.names import OP_NAMES
 from backplane.ops.native import NATIVE_OPS
-from backplane.registry import CustomOpImpl
+from backplane.plugin.registry import CustomOpImpl
 
 NATIVE = "native"
 

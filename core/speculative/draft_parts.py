@@ -63,13 +63,20 @@ def make_attention_backend(runner: Any, role: str, req_to_token_pool, token_to_k
 
 def graph_pool() -> Any:
     """The process-wide CUDA graph memory pool (shared by the target's and every draft's graphs)."""
-    from backplane.graph_runner import global_graph_pool
+    from backplane.executor.graph_runner import global_graph_pool
 
     return global_graph_pool()
 
 
+def pool_bytes(pool: Any) -> int:
+    """Bytes currently reserved by graph memory pool `pool` (how much a set of graphs grew it)."""
+    from backplane.executor.graph_runner import pool_bytes as reserved
+
+    return reserved(pool)
+
+
 def padded_size(batch_size: int, sizes: list[int]) -> int | None:
     """The smallest captured size >= batch_size, or None."""
-    from backplane.graph_sizes import padded_size as pick
+    from backplane.executor.graph_sizes import padded_size as pick
 
     return pick(batch_size, sizes)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
-from backplane.batch import ForwardBatch, ForwardMode
-from backplane.memory import ReqToTokenPool, TokenToKVPool
+from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -220,7 +220,7 @@ def make_suite(backend_name: str, device: str | None = None, dtype: torch.dtype 
 
 
 def _spec(backend_name: str):
-    from backplane.plugin_manager import load_plugins
+    from backplane.plugin.manager import load_plugins
 
     specs = load_plugins().registry.specs("attention")
     if backend_name not in specs:

@@ -11,9 +11,9 @@ import random
 import torch
 
 from backplane.attention.base import AttentionLayerInfo
-from backplane.batch import ForwardBatch, ForwardMode
-from backplane.graph_runner import StaticInputs, pad_into
-from backplane.graph_sizes import GraphKey, padded_size
+from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.graph_runner import StaticInputs, pad_into
+from backplane.executor.graph_sizes import GraphKey, padded_size
 from backplane.testing.attention_conformance import TOLERANCE, Case, Harness
 
 PAD_ROW_SEQ = 1

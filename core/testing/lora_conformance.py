@@ -233,7 +233,7 @@ def make_suite(backend_name: str, device: str | None = None, dtype: torch.dtype 
 
 
 def _spec(backend_name: str, plugins=()):
-    from backplane.plugin_manager import load_plugins
+    from backplane.plugin.manager import load_plugins
 
     specs = load_plugins(extra=plugins).registry.specs("lora")
     if backend_name not in specs:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from backplane.hookspecs import hookimpl
+from backplane import hookimpl
 from backplane.plugins.attention_flashinfer.options import FlashInferOptions
-from backplane.registry import ALL_MODES, AttentionBackendSpec, CustomOpImpl
+from backplane import ALL_MODES, AttentionBackendSpec, CustomOpImpl
 
 INSTALL_HINT = "pip install 'backplane-llm[flashinfer]'"
 # Ops with a FlashInfer kernel; gelu and quick_gelu stay native.

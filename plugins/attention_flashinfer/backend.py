@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane import ForwardBatch, ForwardMode
 from backplane.plugins.attention_flashinfer.geometry import ForwardGeometry, GraphBuffers, LayerConfig
 from backplane.plugins.attention_flashinfer.options import FlashInferOptions
 from backplane.plugins.attention_flashinfer.wrappers import Dims, GraphBinding, LayerRunner, WrapperCache, plan_layer

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backplane.attention.base import AttentionLayerInfo
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane.attention import AttentionLayerInfo
+from backplane import ForwardBatch, ForwardMode
 from backplane.plugins.attention_flashinfer.indices import KvSpan, indptr_from_lens, make_span
 
 DECODE, RAGGED, RAGGED_PREFIX, PAGED, MASKED = "decode", "ragged", "ragged+prefix", "paged", "masked"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from backplane.hookspecs import hookimpl
-from backplane.registry import AttentionBackendSpec
+from backplane import hookimpl
+from backplane import AttentionBackendSpec
 
 from .options import TritonAttentionOptions
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane import ForwardBatch, ForwardMode
 
 from .configs import choose_num_kv_splits
 from .decode_kernels import decode_attention

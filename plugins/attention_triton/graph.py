@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane import ForwardBatch, ForwardMode
 
 from .metadata import DecodeMetadata, ExtendMetadata, exclusive_cumsum, mask_row_counts, prefix_lengths
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backplane.batch import ForwardBatch
+from backplane import ForwardBatch
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from backplane.hookspecs import hookimpl
-from backplane.registry import LoraBackendSpec
+from backplane import hookimpl
+from backplane import LoraBackendSpec
 
 
 def _interpreted() -> bool:

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import triton
 
-from backplane.lora.base import LoraBackend, LoraBackendContext, host_offsets
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.lora import LoraBackend, LoraBackendContext, host_offsets
+from backplane.lora import LoraBatchInfo
 from backplane.plugins.lora_triton import kernels
 from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.lora import LoraBatchInfo
 
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 MAX_SHRINK_COL_BLOCKS = 16  # split-K locks per tile; a shrink with more column blocks does not split

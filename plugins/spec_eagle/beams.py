@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from backplane.batch import ForwardBatch
-from backplane.speculative.draft_parts import graph_pool, padded_size
+from backplane import ForwardBatch
+from backplane.speculative import graph_pool, padded_size
 
 from .beams import Candidates
 from .window import WindowInputs, run_window_draft
@@ -46,7 +46,7 @@ class DraftGraphRunner:
     # -- capture --------------------------------------------------------------------------------
 
     def capture(self) -> None:
-        from backplane.graph_runner import pool_bytes
+        from backplane.speculative import pool_bytes
 
         pool_before, start = pool_bytes(self.pool), time.perf_counter()
         for bs in reversed(self.sizes):

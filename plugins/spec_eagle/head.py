@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backplane.layers.embedding import VocabParallelEmbedding
-from backplane.layers.norm import RMSNorm
-from backplane.speculative.draft_parts import iterate_safetensors, llama_decoder_layer, load_config, load_named_weights
+from backplane.layers import VocabParallelEmbedding
+from backplane.layers import RMSNorm
+from backplane.speculative import iterate_safetensors, llama_decoder_layer, load_config, load_named_weights
 
 from .beams import top_logprobs
 

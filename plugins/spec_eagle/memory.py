@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.memory import ReqToTokenPool, TokenToKVPool
+from backplane import ReqToTokenPool, TokenToKVPool
 
 
 class DraftMemory:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from backplane.batch import ForwardBatch, ForwardMode
+from backplane import ForwardBatch, ForwardMode
 
 from .beams import Beams, Candidates, StepInputs, run_beam_steps
 

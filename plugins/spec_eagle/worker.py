@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backplane.batch import ForwardBatch, ForwardMode
-from backplane.layers.attention import Attention
-from backplane.models.base import ModelContext
+from backplane import ForwardBatch, ForwardMode
+from backplane.layers import Attention
+from backplane.models import ModelContext
 from backplane.speculative import DraftTree, SpecWorker
 
 from .beams import Beams, Candidates, StepInputs, run_beam_steps

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo
-from backplane.batch import ForwardBatch, ForwardMode
-from backplane.memory import ReqToTokenPool, TokenToKVPool
+from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 pytestmark = [
     pytest.mark.gpu,

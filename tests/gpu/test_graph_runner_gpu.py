@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.graph_runner import GraphRunner
-from backplane.graph_sizes import padded_size
+from backplane.executor.graph_runner import GraphRunner
+from backplane.executor.graph_sizes import padded_size
 from backplane.models.base import ModelOutput
 
 pytestmark = pytest.mark.gpu
@@ -78,7 +78,7 @@ def test_runner_built_after_another_was_freed_captures_and_replays():
     """The process pool outlives its runners: free one engine's graphs, capture a new engine's, replay."""
     import gc
 
-    from backplane.graph_runner import global_graph_pool
+    from backplane.executor.graph_runner import global_graph_pool
 
     prompts = [[5 + i, 7, 9 + 2 * i] * (i + 2) for i in range(6)]
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)

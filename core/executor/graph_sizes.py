@@ -1,0 +1,97 @@
+"""Which batch sizes the graph runner captures, which modes it may capture, and graph keys.
+
+Pure functions of the settings and of what the active plugins declare, so they are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from backplane.executor.batch import ForwardMode
+
+DEFAULT_SIZES = [1, 2, 4] + [8 * k for k in range(1, 21)]  # 1, 2, 4, 8, 16, ..., 160
+NO_PADDING_SIZES = list(range(1, 33)) + [64, 128]
+
+
+def capture_batch_sizes(args: Any, req_pool_size: int) -> tuple[list[int], list[int]]:
+    """(sizes to capture, the subset to torch.compile), both ascending.
+
+    --cuda-graph-bs wins; else the default ladder (or 1..32, 64, 128 without padding). A request
+    pool smaller than the largest size adds the pool size and pool size - 1. Everything is cut at
+    --cuda-graph-max-bs and the pool size.
+    """
+    if args.cuda_graph_bs:
+        sizes = list(args.cuda_graph_bs)
+    else:
+        sizes = list(NO_PADDING_SIZES if args.disable_cuda_graph_padding else DEFAULT_SIZES)
+        if max(sizes) > req_pool_size:
+            sizes += [req_pool_size - 1, req_pool_size]
+    limit = min(args.cuda_graph_max_bs, req_pool_size)
+    sizes = sorted({bs for bs in sizes if 1 <= bs <= limit})
+    compiled = [bs for bs in sizes if bs <= args.torch_compile_max_bs] if args.enable_torch_compile else []
+    return sizes, compiled
+
+
+def padded_size(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= batch_size, or None when the batch is too large."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Everything that changes the recorded kernels of one graph.
+
+    extras: contributions of active plugins, e.g. (("lora", True),), sorted by name.
+    """
+
+    mode: ForwardMode
+    batch_size: int
+    tokens_per_request: int
+    extras: tuple[tuple[str, Hashable], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.tokens_per_request
+
+
+@dataclass(frozen=True)
+class ModeLimit:
+    """Why a mode is not captured: which plugin (and which of its items) limits it."""
+
+    mode: str
+    plugin: str
+    item: str
+    detail: str
+
+    def message(self) -> str:
+        return (f"CUDA graphs: {self.mode} runs eagerly because plugin {self.plugin!r} ({self.item}) "
+                f"{self.detail}")
+
+
+@dataclass(frozen=True)
+class GraphParticipant:
+    """An active plugin's say in graph capture: of the modes it takes part in (`serves`; None:
+    every mode), those it can run inside a graph."""
+
+    plugin: str
+    item: str
+    graph_modes: tuple[str, ...]
+    serves: tuple[str, ...] | None = None
+
+
+def capturable_modes(wanted: list[str], participants: list[GraphParticipant]) -> tuple[list[str], list[ModeLimit]]:
+    """The modes every participant can capture (the minimum), and a ModeLimit for each one dropped."""
+    kept, limits = [], []
+    for mode in wanted:
+        blockers = [p for p in participants
+                    if (p.serves is None or mode in p.serves) and mode not in p.graph_modes]
+        if blockers:
+            b = blockers[0]
+            declared = ", ".join(b.graph_modes) or "none"
+            limits.append(ModeLimit(mode, b.plugin, b.item, f"declares graph modes: {declared}"))
+        else:
+            kept.append(mode)
+    return kept, limits

@@ -1,0 +1,280 @@
+"""ModelRunner: builds the model, pools, custom ops and attention backend(s) from ServerArgs
+through the registry, and runs one forward pass (eagerly, or through the graph runner)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane.attention.hybrid import HybridAttnBackend
+from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.layers.attention import Attention
+from backplane.layers.parallel import ParallelContext
+from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.models.base import ModelContext, ModelOutput
+from backplane.ops.dispatch import resolve_custom_ops
+from backplane.plugin.manager import PluginSet
+from backplane.plugin.selection import AttentionRequirements, Selection, select_attention_backend
+from backplane.settings import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 2 << 30
+DEFAULT_REQ_POOL = {"cuda": 256, "cpu": 64}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(args: ServerArgs) -> torch.device:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu or auto")
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[args.dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in _DTYPES.items() if value is dtype)
+
+
+@dataclass
+class ModelSource:
+    """Where the model comes from: a preset (dummy weights) or a local Hugging Face directory."""
+
+    hf_config: Any
+    load_format: str
+    path: Path | None
+
+
+def resolve_model_source(args: ServerArgs) -> ModelSource:
+    from backplane.models.loader import load_hf_config
+    from backplane.models.presets import PRESETS, get_preset
+
+    path = Path(args.model).expanduser()
+    if path.is_dir():
+        load_format = "safetensors" if args.load_format == "auto" else args.load_format
+        return ModelSource(load_hf_config(path), load_format, path)
+    if args.model in PRESETS:
+        if args.load_format == "safetensors":
+            raise ValueError(f"--model {args.model}: a preset has no weight files; use --load-format dummy or auto")
+        return ModelSource(get_preset(args.model), "dummy", None)
+    raise ValueError(
+        f"--model {args.model!r}: expected a local Hugging Face model directory or a preset name; "
+        f"presets: {', '.join(sorted(PRESETS))}"
+    )
+
+
+class ModelRunner:
+    """Owns the model and everything it runs on for one tensor-parallel rank."""
+
+    def __init__(self, args: ServerArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None):
+        self.args = args
+        self.plugin_set = plugin_set
+        self.registry = plugin_set.registry
+        self.parallel = parallel or ParallelContext()
+        self.device = resolve_device(args)
+        if self.device.type == "cuda" and self.parallel.tp_size > 1:  # one GPU per rank
+            self.device = torch.device("cuda", self.parallel.tp_rank)
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(args, self.device)
+        self.source = resolve_model_source(args)
+        self.hf_config = self.source.hf_config
+        self.model_ctx = ModelContext(
+            ops=resolve_custom_ops(list(self.registry.specs("custom_op").values()),
+                                   self.device.type, args.custom_op_overrides),
+            dtype=self.dtype, device=self.device, parallel=self.parallel,
+        )
+        self.model = self._build_model()
+        self.layer_infos = [m.info for m in self.model.modules() if isinstance(m, Attention)]
+        self.context_len = args.context_length or int(self.hf_config.max_position_embeddings)
+        self.req_to_token_pool, self.token_to_kv_pool = self._init_pools()
+        self.attn_backend, self.attn_choices = self._init_attention()
+        self.model_ctx.attn_backend = self.attn_backend
+        self.graph_contributors: list[Any] = []  # components adding graph-key extras (LoRA, ...)
+        self.graph_runner = None
+        self.graph_mode_limits: list[Any] = []
+        # Tensor-parallel rank 0: forwards go through the driver, which first sends each batch to
+        # the other ranks (backplane.distributed); None on one rank and on the workers.
+        self.tp_driver: Any = None
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    @property
+    def seq_len_fill_value(self) -> int:
+        return self.attn_choices["decode"].spec.seq_len_fill_value
+
+    def tokens_per_request(self, mode: ForwardMode) -> int:
+        if mode is ForwardMode.TARGET_VERIFY:
+            return self.args.speculative_num_draft_tokens
+        return 1
+
+    def graph_participants(self) -> list[Any]:
+        from backplane.executor.graph_sizes import GraphParticipant
+
+        decode, verify = self.attn_choices["decode"], self.attn_choices["prefill"]
+        parts = [GraphParticipant(decode.plugin, f"attention backend {decode.spec.name!r}",
+                                  decode.spec.graph_modes, serves=("decode",)),
+                 GraphParticipant(verify.plugin, f"attention backend {verify.spec.name!r}",
+                                  verify.spec.graph_modes, serves=("target_verify",))]
+        return parts + [c.graph_participant() for c in self.graph_contributors]
+
+    def graph_key_extras(self, batch: ForwardBatch) -> tuple:
+        return tuple(item for c in self.graph_contributors for item in c.graph_key_extras(batch))
+
+    def prepare_graph_batch(self, batch: ForwardBatch, key: Any, real: ForwardBatch | None = None) -> None:
+        """Let contributors bind their per-batch state (LoRA segments, ...) for capture or replay."""
+        for c in self.graph_contributors:
+            c.prepare_graph_batch(batch, key, real)
+
+    def init_cuda_graphs(self) -> None:
+        """Capture graphs for the configured combination, or say why decode stays eager."""
+        from backplane.executor.graph_runner import GraphRunner
+        from backplane.executor.graph_sizes import capturable_modes
+
+        if self.args.disable_cuda_graph:
+            return
+        if self.device.type != "cuda":
+            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
+            return
+        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
+        modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
+        for limit in self.graph_mode_limits:
+            logger.warning(limit.message())
+        if not modes:
+            return
+        variants = _product([c.graph_variants() for c in self.graph_contributors])
+        self.graph_runner = GraphRunner(self, [ForwardMode(m) for m in modes], variants)
+        # NOTE: under tensor parallelism the graphs record the collectives (NCCL); every rank
+        # captures the same keys in the same order, entered and left together.
+        self.parallel.barrier()
+        self.graph_runner.capture()
+        self.parallel.barrier()
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _build_model(self) -> torch.nn.Module:
+        from backplane.models.loader import get_model_spec, iterate_safetensors
+        from backplane.models.presets import init_dummy_weights
+
+        spec = get_model_spec(self.registry.specs("model"), self.hf_config)
+        with torch.device(self.device):
+            model = spec.factory(self.hf_config, self.model_ctx).to(self.dtype)
+        if self.source.load_format == "dummy":
+            init_dummy_weights(model, self.args.seed)
+        else:
+            model.load_weights(iterate_safetensors(self.source.path))
+        return model.eval()
+
+    def _init_pools(self) -> tuple[ReqToTokenPool, TokenToKVPool]:
+        info = self.layer_infos[0]
+        per_token = TokenToKVPool.bytes_per_token(len(self.layer_infos), info.num_kv_heads, info.head_dim, self.dtype)
+        num_slots = self.args.max_total_tokens or self._profile_num_slots(per_token)
+        if num_slots < 2:
+            raise ValueError(
+                f"--mem-fraction-static {self.args.mem_fraction_static}: leaves room for {num_slots} KV "
+                "tokens after the weights; raise it or pass --max-total-tokens"
+            )
+        req_rows = self.args.max_running_requests or DEFAULT_REQ_POOL[self.device.type]
+        max_ctx = min(self.context_len, num_slots) + 8  # + room for speculative draft tokens
+        req_pool = ReqToTokenPool(req_rows + 1, max_ctx, self.device)  # + one row for graph padding
+        kv_pool = TokenToKVPool(num_slots, len(self.layer_infos), info.num_kv_heads, info.head_dim,
+                                self.dtype, self.device)
+        logger.info("KV pool: %d tokens (%.1f MB), %d request rows", num_slots,
+                    num_slots * per_token / 2**20, req_rows)
+        return req_pool, kv_pool
+
+    def _profile_num_slots(self, per_token: int) -> int:
+        if self.device.type != "cuda":
+            return max(2, min(CPU_KV_BUDGET_BYTES // per_token, 1 << 17))
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.args.mem_fraction_static - (total - free)
+        # Rank 0 allocates slots for every rank: all pools get the size of the smallest.
+        return self.parallel.min_over_ranks(int(budget // per_token))
+
+    def attention_requirements(self, modes: tuple[str, ...]) -> AttentionRequirements:
+        info = self.layer_infos[0]
+        return AttentionRequirements(
+            platform=self.device.type, dtype=dtype_name(self.dtype), head_dim=info.head_dim, modes=modes,
+            sliding_window=any(i.sliding_window > 0 for i in self.layer_infos),
+            logit_softcap=any(i.logit_softcap > 0 for i in self.layer_infos),
+            custom_mask="target_verify" in modes,
+        )
+
+    def _init_attention(self) -> tuple[AttentionBackend, dict[str, Selection]]:
+        spec_modes = ("target_verify", "draft_extend") if self.args.speculative_algorithm else ()
+        prefill_name = self.args.prefill_attention_backend or self.args.attention_backend
+        decode_name = self.args.decode_attention_backend or self.args.attention_backend
+        prefill_flag = "--prefill-attention-backend" if self.args.prefill_attention_backend else "--attention-backend"
+        decode_flag = "--decode-attention-backend" if self.args.decode_attention_backend else "--attention-backend"
+        choices = {
+            "prefill": select_attention_backend(self.registry, prefill_name,
+                                                self.attention_requirements(("extend", *spec_modes)), prefill_flag),
+            "decode": select_attention_backend(self.registry, decode_name,
+                                               self.attention_requirements(("decode",)), decode_flag),
+        }
+        prefill = self._make_backend(choices["prefill"])
+        same = choices["decode"].spec.name == choices["prefill"].spec.name
+        decode = prefill if same else self._make_backend(choices["decode"])
+        return (prefill if same else HybridAttnBackend(prefill, decode)), choices
+
+    def _make_backend(self, choice: Selection) -> AttentionBackend:
+        info = self.layer_infos[0]
+        group = self._options_group_of(choice.plugin)
+        ctx = AttentionBackendContext(
+            num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+            num_layers=len(self.layer_infos), dtype=self.dtype, device=self.device,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            max_context_len=self.req_to_token_pool.max_context_len,
+            options=self.args.options_for(group) if group else None, server_args=self.args,
+            layers=list(self.layer_infos),
+        )
+        return choice.spec.factory(ctx)
+
+    def _options_group_of(self, plugin: str) -> str | None:
+        groups = [key for key, reg in self.registry.items["settings"].items() if reg.plugin == plugin]
+        return groups[0] if groups else None
+
+    # -- running --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """One forward pass: through a captured graph when the graph runner can, else eagerly."""
+        if self.tp_driver is not None:
+            return self.tp_driver.run(batch, self._forward_local)
+        return self._forward_local(batch)
+
+    def _forward_local(self, batch: ForwardBatch) -> ModelOutput:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
+        return self.forward_eager(batch)
+
+    def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)
+
+    def backends_summary(self) -> dict[str, Any]:
+        """Which plugin served what (shown by `generate --json` and `bench`)."""
+        return {
+            "attention": {role: {"backend": c.spec.name, "plugin": c.plugin, "why": c.reason}
+                          for role, c in self.attn_choices.items()},
+            "custom_ops": dict(self.model_ctx.ops.chosen),
+            "device": str(self.device), "dtype": dtype_name(self.dtype),
+        }
+
+
+def _product(variant_lists: list[list[tuple]]) -> list[tuple]:
+    """Every combination of the contributors' graph-key extras (one tuple of items each)."""
+    combos: list[tuple] = [()]
+    for variants in variant_lists:
+        combos = [c + v for c in combos for v in variants]
+    return combos

@@ -1,0 +1,1 @@
+"""The plugin machinery: hook specs, discovery, the register callbacks and backend selection."""

@@ -1,0 +1,142 @@
+"""Graph-runner logic that needs no GPU: batch sizes, keys, padding, mode limits, eager fallback."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backplane import Engine
+from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.graph_runner import StaticInputs, pad_into
+from backplane.executor.graph_sizes import (
+    DEFAULT_SIZES,
+    GraphKey,
+    GraphParticipant,
+    capturable_modes,
+    capture_batch_sizes,
+    padded_size,
+)
+from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.executor.model_runner import _product
+
+
+def flags(**kw):
+    base = dict(cuda_graph_bs=None, disable_cuda_graph_padding=False, cuda_graph_max_bs=160,
+                enable_torch_compile=False, torch_compile_max_bs=32)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_default_sizes_follow_the_ladder():
+    sizes, compiled = capture_batch_sizes(flags(), req_pool_size=256)
+    assert sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160]
+    assert compiled == []
+
+
+def test_max_bs_cuts_the_ladder():
+    assert capture_batch_sizes(flags(cuda_graph_max_bs=20), 256)[0] == [1, 2, 4, 8, 16]
+
+
+def test_small_pool_adds_pool_size_and_pool_size_minus_one():
+    assert capture_batch_sizes(flags(), 30)[0] == [1, 2, 4, 8, 16, 24, 29, 30]
+    assert capture_batch_sizes(flags(), 8)[0] == [1, 2, 4, 7, 8]
+
+
+def test_explicit_sizes_win_but_are_still_cut():
+    assert capture_batch_sizes(flags(cuda_graph_bs=[3, 5, 300]), 256)[0] == [3, 5]
+    assert capture_batch_sizes(flags(cuda_graph_bs=[3, 5, 100], cuda_graph_max_bs=64), 256)[0] == [3, 5]
+
+
+def test_no_padding_sizes():
+    sizes, _ = capture_batch_sizes(flags(disable_cuda_graph_padding=True), 256)
+    assert sizes == list(range(1, 33)) + [64, 128]
+    sizes, _ = capture_batch_sizes(flags(disable_cuda_graph_padding=True), 40)
+    assert sizes == list(range(1, 33)) + [39, 40]
+
+
+def test_torch_compile_sizes():
+    sizes, compiled = capture_batch_sizes(flags(enable_torch_compile=True, torch_compile_max_bs=16), 256)
+    assert compiled == [1, 2, 4, 8, 16] and set(compiled) <= set(sizes)
+
+
+def test_padded_size():
+    assert [padded_size(b, DEFAULT_SIZES) for b in (1, 3, 5, 9, 160)] == [1, 4, 8, 16, 160]
+    assert padded_size(161, DEFAULT_SIZES) is None
+
+
+def test_key_composition_from_contributions():
+    variants = _product([[(("lora", False),), (("lora", True),)], [(("spec", "eagle"),)]])
+    assert variants == [(("lora", False), ("spec", "eagle")), (("lora", True), ("spec", "eagle"))]
+    keys = {GraphKey(ForwardMode.DECODE, 8, 1, v) for v in variants}
+    assert len(keys) == 2
+    assert GraphKey(ForwardMode.TARGET_VERIFY, 8, 4).num_tokens == 32
+
+
+def test_mode_limit_names_the_plugin():
+    parts = [GraphParticipant("attention_triton", "attention backend 'triton'", ("decode", "target_verify"), ("decode",)),
+             GraphParticipant("attention.builtin", "attention backend 'torch_native'", (), ("target_verify",)),
+             GraphParticipant("lora_slow", "LoRA backend 'slow'", ())]
+    modes, limits = capturable_modes(["decode", "target_verify"], parts[:2])
+    assert modes == ["decode"]
+    assert limits[0].message() == ("CUDA graphs: target_verify runs eagerly because plugin 'attention.builtin' "
+                                   "(attention backend 'torch_native') declares graph modes: none")
+    modes, limits = capturable_modes(["decode"], parts)
+    assert modes == [] and limits[0].plugin == "lora_slow"
+
+
+def test_padding_arithmetic():
+    req_pool = ReqToTokenPool(6, 32, "cpu")
+    kv_pool = TokenToKVPool(64, 1, 1, 8, torch.float32, "cpu")
+    static = StaticInputs.allocate(8, 8, "cpu")
+    static.input_ids.fill_(-1)
+    batch = ForwardBatch(ForwardMode.DECODE, 3, torch.tensor([11, 12, 13]), torch.tensor([4, 9, 2]),
+                         torch.tensor([0, 2, 1]), torch.tensor([5, 10, 3], dtype=torch.int32),
+                         torch.tensor([5, 10, 3], dtype=torch.int32), torch.tensor([7, 8, 9]), req_pool, kv_pool)
+    key = GraphKey(ForwardMode.DECODE, 4, 1)
+    padded = pad_into(static, batch, key, pad_row=5, fill=1)
+    assert padded.batch_size == 4 and padded.input_ids.tolist() == [11, 12, 13, 0]
+    assert padded.req_pool_indices.tolist() == [0, 2, 1, 5]
+    assert padded.seq_lens.tolist() == [5, 10, 3, 1] and padded.seq_lens_cpu.tolist() == [5, 10, 3, 1]
+    assert padded.out_cache_loc.tolist() == [7, 8, 9, 0]  # the pad writes to the dump slot
+    assert padded.positions.tolist() == [4, 9, 2, 0] and padded.graph_key == key
+
+
+def test_cpu_runs_eager_and_says_so_once(caplog):
+    with caplog.at_level(logging.INFO, logger="backplane.executor.model_runner"):
+        engine = Engine("tiny-llama", device="cpu")
+    assert engine.runner.graph_runner is None
+    assert [r.message for r in caplog.records].count("CUDA graphs need a CUDA device; running eagerly on cpu") == 1
+    assert engine.generate(input_ids=[[1, 2, 3]])[0].error is None
+
+
+def test_graph_participants_of_a_runner():
+    engine = Engine("tiny-llama", device="cpu", speculative_algorithm=None)
+    parts = engine.runner.graph_participants()
+    assert parts[0].plugin == "attention.builtin" and parts[0].graph_modes == ()
+    modes, limits = capturable_modes(["decode"], parts)
+    assert modes == [] and "plugin 'attention.builtin'" in limits[0].message()
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_logits_written_into_a_caller_buffer(softcap):
+    """Captured graphs share one logits buffer: the processor writes its rows there, same values."""
+    from backplane.layers.logits import LogitsProcessor
+    from backplane.layers.parallel import ParallelContext
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(5, 16, dtype=torch.bfloat16)
+    proc = LogitsProcessor(37, ParallelContext(), softcap)  # a padded vocabulary: 40 rows, 37 used
+    batch = SimpleNamespace(logits_indices=None, forward_mode=ForwardMode.DECODE, extra={})
+    want = proc(hidden, head, batch)
+    buffer = torch.full((8, 37), float("nan"))
+    batch.extra["logits_out"] = buffer
+    got = proc(hidden, head, batch)
+    assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 37)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.isnan(buffer[5:]).all()  # rows past the batch untouched
+    batch.extra["logits_out"] = torch.zeros(4, 37)
+    with pytest.raises(ValueError, match="logits_out: expected an fp32 buffer of at least 5 rows of 37"):
+        proc(hidden, head, batch)

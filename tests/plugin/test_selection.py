@@ -1,0 +1,117 @@
+"""Backend selection: explicit names are validated with every reason; `auto` picks and explains."""
+
+from __future__ import annotations
+
+import pytest
+
+from backplane.plugin.manager import load_plugins
+from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, RegistrationError
+from backplane.plugin.selection import (
+    AttentionRequirements,
+    LoraRequirements,
+    SelectionError,
+    select_attention_backend,
+    select_lora_backend,
+)
+
+CPU_FP32 = AttentionRequirements(platform="cpu", dtype="float32", head_dim=64, modes=("extend", "decode"))
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    monkeypatch.setenv("BACKPLANE_PLUGINS", "attention_triton,attention_flashinfer,lora_triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    registry = load_plugins().registry
+    register = registry.callback("attention", "test_plugin", "test-dist")
+    register(AttentionBackendSpec(
+        name="needs_lib", factory=object, description="t", priority=500,
+        available=lambda: "libfoo is not installed", install_hint="pip install libfoo"))
+    register(AttentionBackendSpec(name="head128", factory=object, description="t", head_dims=(128,), priority=400))
+    register(AttentionBackendSpec(name="no_window", factory=object, description="t", sliding_window=False))
+    return registry
+
+
+def test_unknown_name_lists_every_registered_backend_and_plugin(registry):
+    with pytest.raises(SelectionError) as err:
+        select_attention_backend(registry, "fastest", CPU_FP32)
+    assert str(err.value) == (
+        "--attention-backend: unknown backend 'fastest'; registered: "
+        "flashinfer (plugin 'attention_flashinfer'), head128 (plugin 'test_plugin'), "
+        "needs_lib (plugin 'test_plugin'), no_window (plugin 'test_plugin'), "
+        "torch_native (plugin 'attention.builtin'), triton (plugin 'attention_triton'), or 'auto'"
+    )
+
+
+def test_missing_dependency_names_reason_and_fix(registry):
+    with pytest.raises(SelectionError) as err:
+        select_attention_backend(registry, "needs_lib", CPU_FP32)
+    assert str(err.value) == (
+        "--attention-backend needs_lib (plugin 'test_plugin') cannot run here: libfoo is not installed."
+        " To fix: pip install libfoo. Usable here: no_window, torch_native"
+    )
+
+
+def test_flashinfer_on_cpu_lists_every_reason(registry):
+    with pytest.raises(SelectionError) as err:
+        select_attention_backend(registry, "flashinfer", CPU_FP32)
+    msg = str(err.value)
+    assert msg.startswith("--attention-backend flashinfer (plugin 'attention_flashinfer') cannot run here: ")
+    assert "platform 'cpu' not supported (supports: cuda)" in msg
+    assert "dtype float32 not supported (supports: float16, bfloat16)" in msg
+    assert msg.endswith("Usable here: no_window, torch_native")
+
+
+def test_platform_and_head_dim_reasons(registry):
+    with pytest.raises(SelectionError) as err:
+        select_attention_backend(registry, "head128", CPU_FP32)
+    assert str(err.value) == (
+        "--attention-backend head128 (plugin 'test_plugin') cannot run here: "
+        "head dim 64 not supported (supports: 128). Usable here: no_window, torch_native"
+    )
+    with pytest.raises(SelectionError, match=r"platform 'cpu' not supported \(supports: cuda\)"):
+        select_attention_backend(registry, "triton", CPU_FP32)
+
+
+def test_capability_needed_by_the_model(registry):
+    req = AttentionRequirements(platform="cpu", dtype="float32", head_dim=64, modes=("extend",), sliding_window=True)
+    with pytest.raises(SelectionError, match="sliding window not supported, and this model/configuration needs it"):
+        select_attention_backend(registry, "no_window", req, flag="--decode-attention-backend")
+
+
+def test_auto_on_cpu_picks_the_best_usable_and_says_why(registry):
+    choice = select_attention_backend(registry, "auto", CPU_FP32)
+    assert choice.spec.name == "no_window"  # priority 0, name order before torch_native
+    assert "skipped needs_lib: libfoo is not installed" in choice.reason
+    assert "head128: head dim 64 not supported" in choice.reason
+    assert "flashinfer:" in choice.reason and "triton:" in choice.reason
+
+
+def test_auto_with_nothing_usable(registry):
+    req = AttentionRequirements(platform="cpu", dtype="float8", head_dim=64, modes=("decode",))
+    with pytest.raises(SelectionError, match=r"--attention-backend auto: no registered backend can run on platform 'cpu' with dtype float8"):
+        select_attention_backend(registry, "auto", req)
+
+
+def test_explicit_choice_is_explained(registry):
+    choice = select_attention_backend(registry, "torch_native", CPU_FP32, flag="--prefill-attention-backend")
+    assert choice.plugin == "attention.builtin"
+    assert choice.reason == "torch_native chosen explicitly by --prefill-attention-backend"
+
+
+def test_lora_selection(registry):
+    req = LoraRequirements(platform="cpu", dtype="float32", max_rank=16)
+    assert select_lora_backend(registry, "auto", req).spec.name == "torch_native"
+    with pytest.raises(SelectionError, match="--lora-backend triton .* cannot run here: .*platform 'cpu' not supported"):
+        select_lora_backend(registry, "triton", req)
+
+
+def test_register_rejects_wrong_types_and_values(registry):
+    register = registry.callback("attention", "sloppy", None)
+    with pytest.raises(RegistrationError, match="plugin 'sloppy' registered a LoraBackendSpec as attention backend; expected AttentionBackendSpec"):
+        register(LoraBackendSpec(name="x", factory=object, description="t"))
+    with pytest.raises(RegistrationError, match="unknown platform 'tpu'"):
+        register(AttentionBackendSpec(name="x", factory=object, description="t", platforms=("tpu",)))
+    with pytest.raises(RegistrationError, match="unknown mode 'prefill'"):
+        register(AttentionBackendSpec(name="x", factory=object, description="t", modes=("prefill",)))
+    with pytest.raises(RegistrationError, match="registered twice: by plugin 'test_plugin' and by plugin 'sloppy'"):
+        register(AttentionBackendSpec(name="head128", factory=object, description="t"))
