@@ -120,9 +120,6 @@ class TritonLoraBackend(LoraBackend):
             return super().apply_lora(x, a_weights, b_weights, output_offsets, base_output)
         offsets = host_offsets(output_offsets, len(output_offsets) - 1, b_weights.shape[1])
         _check_fused_shapes(x, a_weights, b_weights, base_output, len(offsets) - 1)
-        if x.shape[0] > info.max_tokens:
-            raise ValueError(f"apply_lora: expected at most {info.max_tokens} rows (the batch info's "
-                             f"max_tokens), got {x.shape[0]}")
         return fused.fused_shrink_expand(x, a_weights, b_weights, base_output, info.token_slots, info.ranks,
                                          info.scalings, list(offsets), self.tuning.fused_config)
 

@@ -117,8 +117,9 @@ def launch(
     """out[t, slice j] += scaling[slot(t)] * (x[t] A_j[slot(t)]^T) B_j[slot(t)]^T for t < T, in place.
 
     x: [T, K] with T <= FUSED_MAX_TOKENS; a: [num_slots, num_slices * r_max, K]; b: [num_slots, N,
-    r_max]; out: [T, N]; token_slots: [>= T] int32; ranks [num_slots] int32; scalings [num_slots]
-    float32; offsets: num_slices + 1 (1 to 3) host ints from 0 to N.
+    r_max]; out: [T, N]; token_slots: int32, the slot of each token (rows beyond its length are not
+    covered); ranks [num_slots] int32; scalings [num_slots] float32; offsets: num_slices + 1 (1 to 3)
+    host ints from 0 to N.
     """
     (num_tokens, k), (num_slots, _, r_max) = x.shape, b.shape
     if num_tokens > FUSED_MAX_TOKENS:
@@ -138,7 +139,7 @@ def launch(
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
     _fused_kernel[(num_slots, num_spans)](
         x, a, b, out, token_slots, ranks, scalings,
-        num_tokens, k, r_max, bounds[0], bounds[1], bounds[2],
+        min(num_tokens, token_slots.numel()), k, r_max, bounds[0], bounds[1], bounds[2],
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, SPAN=span,
