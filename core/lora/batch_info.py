@@ -99,10 +99,11 @@ class LoraBatchInfo:
         scalings: Sequence[float] | torch.Tensor,
         device: torch.device | str,
         max_segments: int | None = None,
+        max_tokens: int | None = None,
     ) -> LoraBatchInfo:
-        """Allocate (exactly sized unless `max_segments` is given) and fill in one call."""
+        """Allocate (exactly sized unless `max_segments` / `max_tokens` are given) and fill in one call."""
         num_segments, num_tokens = len(seg_lens), int(sum(int(v) for v in seg_lens))
-        info = cls.allocate(max_segments or max(num_segments, 1), len(ranks), device, max(num_tokens, 1))
+        info = cls.allocate(max_segments or max(num_segments, 1), len(ranks), device, max_tokens or max(num_tokens, 1))
         return info.update_(seg_lens, weight_indices, ranks=ranks, scalings=scalings)
 
     @property
