@@ -22,7 +22,7 @@ import triton
 from backplane.lora import LoraBackend, LoraBackendContext, host_offsets
 from backplane.lora import LoraBatchInfo
 from backplane.plugins.lora_triton import fused, kernels
-from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, FusedConfig
+from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, FusedBuffers, FusedConfig
 from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 
 
@@ -61,6 +61,7 @@ class TritonLoraBackend(LoraBackend):
         self._planned = False  # whether the tile plan describes self.batch_info
         self._graph_key: Any = None  # the graph whose metadata was bound last
         self._split_keys: set[Any] = set()  # graphs whose capture ran the separate products
+        self._fused_buffers: list[FusedBuffers] = []  # the last one is used; older ones stay alive
 
     def _fuses(self, num_tokens: int) -> bool:
         return num_tokens <= min(self.tuning.fused_max_tokens, FUSED_MAX_TOKENS)
@@ -120,8 +121,21 @@ class TritonLoraBackend(LoraBackend):
             return super().apply_lora(x, a_weights, b_weights, output_offsets, base_output)
         offsets = host_offsets(output_offsets, len(output_offsets) - 1, b_weights.shape[1])
         _check_fused_shapes(x, a_weights, b_weights, base_output, len(offsets) - 1)
+        buffers = self._buffers_for(b_weights.shape[0], b_weights.shape[2], x.device)
         return fused.fused_shrink_expand(x, a_weights, b_weights, base_output, info.token_slots, info.ranks,
-                                         info.scalings, list(offsets), self.tuning.fused_config)
+                                         info.scalings, list(offsets), buffers, self.tuning.fused_config)
+
+    def _buffers_for(self, num_slots: int, r_max: int, device: torch.device) -> FusedBuffers:
+        """The fused kernel's workspace and locks; a larger set is made outside graph captures only,
+        and the old one is kept (captured graphs may read it)."""
+        if self._fused_buffers and self._fused_buffers[-1].fits(num_slots, r_max):
+            return self._fused_buffers[-1]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("TritonLoraBackend: the fused kernel's buffers must exist before a graph capture "
+                               "(run the captured body once first)")
+        self._fused_buffers.append(FusedBuffers(device, max(num_slots, self.ctx.num_slots),
+                                                max(r_max, self.ctx.max_lora_rank)))
+        return self._fused_buffers[-1]
 
     # ---- products -------------------------------------------------------------------------
     def lora_a(self, x: torch.Tensor, a_weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:

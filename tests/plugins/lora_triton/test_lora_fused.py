@@ -74,21 +74,40 @@ def test_fused_path_up_to_the_threshold(monkeypatch, num_tokens):
     assert backend._planned is not fuses  # no host tile plan for a fused batch
 
 
-def test_fused_kernel_adds_into_a_strided_output_and_spans():
-    """out is a column slice of a wider buffer (as qkv's base output may be); small spans, many programs."""
-    from backplane.plugins.lora_triton.fused import FusedConfig, launch
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_fused_kernel_splits_k_into_a_strided_output(split_k):
+    """out is a column slice of a wider buffer (as a fused output may be); K split among programs
+    whose last one expands; the locks are re-armed, so a second launch adds the delta again."""
+    from backplane.plugins.lora_triton.fused import FusedBuffers, FusedConfig, launch
 
     info = decode_info([1, 2, 0, 3, 2])
     a, b = make_weights(1)
     x, wide = torch.randn(5, K), torch.randn(5, OFFSETS[-1] + 24)
     before = wide.clone()
     base = wide[:, 8 : 8 + OFFSETS[-1]]
-    want = expected(info, x, a, b, base)
-    launch(x, a, b, base, info.token_slots, info.ranks, info.scalings, OFFSETS, FusedConfig(span=16, block_k=16))
-    torch.testing.assert_close(base, want, atol=1e-4, rtol=1e-4)
+    once = expected(info, x, a, b, base)
+    buffers = FusedBuffers(torch.device("cpu"), NUM_SLOTS, R_MAX)
+    config = FusedConfig(span=128, split_k=split_k)
+    launch(x, a, b, base, info.token_slots, info.ranks, info.scalings, OFFSETS, buffers, config)
+    torch.testing.assert_close(base, once, atol=1e-4, rtol=1e-4)
+    assert not buffers.locks.any()
+    launch(x, a, b, base, info.token_slots, info.ranks, info.scalings, OFFSETS, buffers, config)
+    torch.testing.assert_close(base - once, once - before[:, 8 : 8 + OFFSETS[-1]], atol=1e-4, rtol=1e-4)
     outside = [*range(8), *range(8 + OFFSETS[-1], wide.shape[1])]
     assert torch.equal(wide[:, outside], before[:, outside])
     assert torch.equal(base[2], before[2, 8 : 8 + OFFSETS[-1]])  # token 2 is base only
+
+
+def test_split_layout_model():
+    """A wide K splits and a wide output gets wider spans; never more programs than the buffers hold."""
+    from backplane.plugins.lora_triton.fused import MAX_GROUPS, choose_split
+
+    span, split_k = choose_split(8192, (2048,), 16, 2, 8)
+    assert split_k > 1 and 8192 // split_k >= 256
+    assert choose_split(72, (80, 40, 40), 16, 4, 4)[1] == 1  # too little K to split
+    for widths in [(2048, 512, 512), (8192, 8192), (1 << 20,)]:
+        span, split_k = choose_split(2048, widths, 64, 2, 8)
+        assert split_k * sum(-(-w // span) for w in widths) <= MAX_GROUPS
 
 
 def test_graph_replay_plans_only_when_the_capture_used_separate_products(monkeypatch):
@@ -136,12 +155,13 @@ def test_fused_rejects_bad_shapes_before_launch():
 
 
 def test_custom_op_is_registered_with_a_fake():
-    from backplane.plugins.lora_triton import fused  # noqa: F401  (registers the op)
+    from backplane.plugins.lora_triton import fused  # registers the op
 
     info = decode_info([1, 3, 2])
     a, b = make_weights()
+    buffers = fused.FusedBuffers(torch.device("cpu"), NUM_SLOTS, R_MAX)
     args = (torch.randn(3, K), a, b, torch.randn(3, OFFSETS[-1]), info.token_slots, info.ranks, info.scalings,
-            OFFSETS, [0, 0, 0, 3])
+            buffers.ws, buffers.locks, OFFSETS, [128, 2, 0, 3])
     op = torch.ops.backplane_lora_triton.fused_shrink_expand.default
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     out = args[3].clone()
