@@ -43,9 +43,9 @@ def _fused_kernel(
     # Slice j owns columns [off_j, off_j+1) (off0 = 0) and the cdiv(width_j, SPAN) consecutive
     # spans along axis 1 that cover them. Axis 2 splits the shrink's K: each split stores its
     # partial y in ws [num_slots, GROUPS (>= spans * SPLIT_K), BLOCK_T, BLOCK_R] float32 at
-    # (slot, span * SPLIT_K + split), and the last split
-    # of a (slot, span) to arrive (locks [num_slots, GROUPS] int32, zero between launches) sums
-    # them in split order (deterministic), expands and re-arms the lock.
+    # (slot, span * SPLIT_K + split); the last split of a (slot, span) to arrive (locks
+    # [num_slots, GROUPS] int32, zero between launches) sums them in split order (deterministic),
+    # expands and re-arms the lock.
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -72,21 +72,26 @@ def _fused_kernel(
                      a_ptr + slot.to(tl.int64) * stride_as + (j * r_max + offs_r)[None, :] * stride_an,
                      r_mask, k_begin, tl.minimum(K, k_begin + k_per_split), stride_xk, stride_ak,
                      BLOCK_T, BLOCK_R, BLOCK_K, PRECISION)
-    if SPLIT_K > 1:
-        group = slot * GROUPS + pid_n  # its lock
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_bk
+    out_rows = out_ptr + rows[:, None] * stride_om
+    scaling = tl.load(scalings_ptr + slot)
+    span_end = tl.minimum(col_end, span_begin + SPAN)
+    if SPLIT_K == 1:
+        _expand_span(y, b_rows, r_mask, out_rows, t_mask, scaling, span_begin, span_end, stride_bn, stride_on,
+                     BLOCK_N, PRECISION)
+    else:
+        lock = locks_ptr + slot * GROUPS + pid_n
         tile = offs_t[:, None] * BLOCK_R + offs_r[None, :]
-        ws_group = ws_ptr + (slot * GROUPS + pid_n * SPLIT_K).to(tl.int64) * (BLOCK_T * BLOCK_R)
-        tl.store(ws_group + pid_k * (BLOCK_T * BLOCK_R) + tile, y)
+        ws_span = ws_ptr + (slot * GROUPS + pid_n * SPLIT_K).to(tl.int64) * (BLOCK_T * BLOCK_R)
+        tl.store(ws_span + pid_k * (BLOCK_T * BLOCK_R) + tile, y)
         tl.debug_barrier()  # NOTE: all threads' stores happen before the release below
-        if tl.atomic_add(locks_ptr + group, 1, sem="acq_rel") != SPLIT_K - 1:
-            return
-        y = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for split in tl.static_range(SPLIT_K):
-            y += tl.load(ws_group + split * (BLOCK_T * BLOCK_R) + tile, cache_modifier=".cg")
-        tl.atomic_xchg(locks_ptr + group, 0)
-    _expand_span(y, b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_bk, r_mask,
-                 out_ptr + rows[:, None] * stride_om, t_mask, tl.load(scalings_ptr + slot),
-                 span_begin, tl.minimum(col_end, span_begin + SPAN), stride_bn, stride_on, BLOCK_N, PRECISION)
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(ws_span + split * (BLOCK_T * BLOCK_R) + tile, cache_modifier=".cg")
+            _expand_span(total, b_rows, r_mask, out_rows, t_mask, scaling, span_begin, span_end, stride_bn,
+                         stride_on, BLOCK_N, PRECISION)
+            tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
@@ -117,7 +122,7 @@ def _expand_span(y, b_rows, r_mask, out_rows, t_mask, scaling, col_begin, col_en
         out_ptrs = out_rows + offs_n[None, :] * stride_on
         mask = t_mask[:, None] & n_mask[None, :]
         base = tl.load(out_ptrs, mask=mask, other=0.0)
-        tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_rows.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(base.dtype), mask=mask)
 
 
 def _pow2_between(value: int, low: int, high: int) -> int:
