@@ -172,7 +172,7 @@ class FusedConfig:
     span: int = 0
     split_k: int = 0
     num_warps: int = 0
-    num_stages: int = 3
+    num_stages: int = 2  # a split reads one or two K tiles: deeper pipelines only cost shared memory
 
 
 class FusedBuffers:
