@@ -185,3 +185,18 @@ def test_batch_info_copies_only_when_the_segments_change():
     with pytest.raises(ValueError, match="at most 12 tokens"):
         info.update_([7, 6], [1, 1])
     assert info.token_slots.tolist() == [3, 1] + [0] * 10  # a refused batch changes nothing
+
+
+def test_apply_lora_compiles_to_the_custom_op():
+    """torch.compile traces apply_lora whole (fullgraph: the Triton launch is behind the op)."""
+    info = decode_info([1, 2, 0, 3, 1])
+    a, b = make_weights(2)
+    backend = triton_backend()
+    backend.prepare_batch(info)
+    x, w = torch.randn(5, K), torch.randn(OFFSETS[-1], K)
+
+    def projection(x):
+        return backend.apply_lora(x, a, b, OFFSETS, x @ w.T)
+
+    compiled = torch.compile(projection, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), expected(info, x, a, b, x @ w.T), atol=1e-4, rtol=1e-4)
