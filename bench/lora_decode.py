@@ -86,7 +86,7 @@ class Session:
         from backplane.engine.request import Req
         from backplane.engine.sampling_params import SamplingParams
 
-        self.runner, self.manager, self.keys = runner, manager, set()
+        self.runner, self.manager, self.keys, self.prep = runner, manager, set(), []
         gen = torch.Generator().manual_seed(len(adapters))
         vocab = int(runner.hf_config.vocab_size)
         self.reqs = [Req(i, torch.randint(3, vocab, (input_len,), generator=gen).tolist(), SamplingParams(), a)
@@ -117,6 +117,7 @@ class Session:
                                                   self.runner.req_to_token_pool))
         for req in self.reqs:
             req.num_cached += 1
+        self.prep.append(time.perf_counter() - start)  # the scheduler's side: batch and LoRA info
         logits = self.runner.forward(batch).logits
         sync()
         elapsed = time.perf_counter() - start
@@ -155,7 +156,8 @@ def time_steps(ns, runners: dict, bs: int) -> dict:
             s.close()
     base = statistics.median(times["base"])
     return {name: {"step_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3,
-                   "x_base": statistics.median(t) / base, "graphs": sorted(sessions[name].keys)}
+                   "x_base": statistics.median(t) / base, "prepare_ms": statistics.median(sessions[name].prep) * 1e3,
+                   "graphs": sorted(sessions[name].keys)}
             for name, t in times.items()}
 
 
@@ -198,11 +200,13 @@ def _word(ok) -> str:
 def format_tables(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}: {report['adapters']} adapters on all seven projections, "
              "triton LoRA backend, CUDA graphs", "",
-             f"{'bs':>3} {'variant':<9} {'step ms':>8} {'min ms':>7} {'x base':>7}  graph"]
+             f"{'bs':>3} {'variant':<9} {'step ms':>8} {'min ms':>7} {'x base':>7} {'prep ms':>7}  graph"]
     for bs, rows in report["steps"].items():
         for name, row in rows.items():
-            lines.append(f"{bs:>3} {name:<9} {row['step_ms']:8.3f} {row['min_ms']:7.3f} {row['x_base']:7.3f}  "
-                         f"{', '.join(row['graphs'])}")
+            lines.append(f"{bs:>3} {name:<9} {row['step_ms']:8.3f} {row['min_ms']:7.3f} {row['x_base']:7.3f} "
+                         f"{row['prepare_ms']:7.3f}  {', '.join(row['graphs'])}")
+            if report["device_kind"] == "cuda" and "eager" in row["graphs"]:
+                lines.append(f"    WARNING: some {name} steps at bs {bs} ran eagerly (no captured graph)")
     lines += ["", "LoRA kernels per layer (us): fused decode kernel | segmented kernels | read floor",
               f"{'T':>3} {'rank':>4} {'fused':>7} {'segm.':>7} {'floor':>6} {'fused/floor':>11} {'one graph':>9}"]
     for row in report["kernels"]:
