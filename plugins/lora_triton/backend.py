@@ -121,6 +121,9 @@ class TritonLoraBackend(LoraBackend):
             return super().apply_lora(x, a_weights, b_weights, output_offsets, base_output)
         offsets = host_offsets(output_offsets, len(output_offsets) - 1, b_weights.shape[1])
         _check_fused_shapes(x, a_weights, b_weights, base_output, len(offsets) - 1)
+        if b_weights.shape[0] > info.num_slots:
+            raise ValueError(f"apply_lora: expected weights for at most {info.num_slots} slots (the batch "
+                             f"info's), got {b_weights.shape[0]}")
         buffers = self._buffers_for(b_weights.shape[0], b_weights.shape[2], x.device)
         return fused.fused_shrink_expand(x, a_weights, b_weights, base_output, info.token_slots, info.ranks,
                                          info.scalings, list(offsets), buffers, self.tuning.fused_config)
@@ -133,8 +136,8 @@ class TritonLoraBackend(LoraBackend):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("TritonLoraBackend: the fused kernel's buffers must exist before a graph capture "
                                "(run the captured body once first)")
-        self._fused_buffers.append(FusedBuffers(device, max(num_slots, self.ctx.num_slots),
-                                                max(r_max, self.ctx.max_lora_rank)))
+        self._fused_buffers.append(FusedBuffers.allocate(device, max(num_slots, self.ctx.num_slots),
+                                                         max(r_max, self.ctx.max_lora_rank)))
         return self._fused_buffers[-1]
 
     # ---- products -------------------------------------------------------------------------

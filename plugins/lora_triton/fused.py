@@ -175,18 +175,28 @@ class FusedConfig:
     num_stages: int = 2  # a split reads one or two K tiles: deeper pipelines only cost shared memory
 
 
+@dataclass
 class FusedBuffers:
     """The split-K workspace and locks of one backend: allocated once (graph-safe), locks always
-    zero between launches. Launches that share them must not run concurrently (one stream)."""
+    zero between launches. Launches that share them must not run concurrently (one stream).
 
-    def __init__(self, device: torch.device, num_slots: int, r_max: int) -> None:
-        self.num_slots, self.block_r = num_slots, _pow2_between(r_max, 16, 128)
-        size = num_slots * MAX_GROUPS * FUSED_MAX_TOKENS * self.block_r  # enough for any split layout
-        self.ws = torch.empty(size, dtype=torch.float32, device=device)
-        self.locks = torch.zeros(num_slots * MAX_GROUPS, dtype=torch.int32, device=device)
+    ws: [num_slots * MAX_GROUPS * FUSED_MAX_TOKENS * block_r] float32; locks: [num_slots * MAX_GROUPS] int32.
+    """
+
+    ws: torch.Tensor
+    locks: torch.Tensor
+
+    @classmethod
+    def allocate(cls, device: torch.device, num_slots: int, r_max: int) -> FusedBuffers:
+        block_r = _pow2_between(r_max, 16, 128)
+        size = num_slots * MAX_GROUPS * FUSED_MAX_TOKENS * block_r  # enough for any split layout
+        return cls(torch.empty(size, dtype=torch.float32, device=device),
+                   torch.zeros(num_slots * MAX_GROUPS, dtype=torch.int32, device=device))
 
     def fits(self, num_slots: int, r_max: int) -> bool:
-        return num_slots <= self.num_slots and _pow2_between(r_max, 16, 128) <= self.block_r
+        block_r = _pow2_between(r_max, 16, 128)
+        return (self.locks.numel() >= num_slots * MAX_GROUPS
+                and self.ws.numel() >= num_slots * MAX_GROUPS * FUSED_MAX_TOKENS * block_r)
 
 
 def launch(
@@ -212,8 +222,7 @@ def launch(
     span, split_k = choose_split(k, widths, block_r, a.element_size(), num_slots - 1)
     span, split_k = max(config.span or span, MIN_SPAN), config.split_k or split_k
     groups = sum(triton.cdiv(w, span) for w in widths)
-    if split_k > 1 and (groups * split_k > MAX_GROUPS or buffers.locks.numel() < num_slots * MAX_GROUPS
-                        or buffers.ws.numel() < num_slots * MAX_GROUPS * block_t * block_r):
+    if split_k > 1 and (groups * split_k > MAX_GROUPS or not buffers.fits(num_slots, r_max)):
         raise ValueError(f"fused LoRA kernel: span {span} x split_k {split_k} needs more than the "
                          f"{MAX_GROUPS} programs per slot (or the buffers are too small)")
     # A tiles of 8-16 KB per stage keep the shrink's loads in flight; a split's K is whole tiles
@@ -241,9 +250,7 @@ def fused_shrink_expand_op(
     config: list[int],
 ) -> None:  # fmt: skip
     """ws, locks: a FusedBuffers' tensors; config: the FusedConfig fields in order."""
-    buffers = FusedBuffers.__new__(FusedBuffers)
-    buffers.ws, buffers.locks = ws, locks
-    launch(x, a, b, out, token_slots, ranks, scalings, offsets, buffers, FusedConfig(*config))
+    launch(x, a, b, out, token_slots, ranks, scalings, offsets, FusedBuffers(ws, locks), FusedConfig(*config))
 
 
 @fused_shrink_expand_op.register_fake

@@ -86,7 +86,7 @@ def test_fused_kernel_splits_k_into_a_strided_output(split_k):
     before = wide.clone()
     base = wide[:, 8 : 8 + OFFSETS[-1]]
     once = expected(info, x, a, b, base)
-    buffers = FusedBuffers(torch.device("cpu"), NUM_SLOTS, R_MAX)
+    buffers = FusedBuffers.allocate(torch.device("cpu"), NUM_SLOTS, R_MAX)
     config = FusedConfig(span=128, split_k=split_k)
     launch(x, a, b, base, info.token_slots, info.ranks, info.scalings, OFFSETS, buffers, config)
     torch.testing.assert_close(base, once, atol=1e-4, rtol=1e-4)
@@ -159,7 +159,7 @@ def test_custom_op_is_registered_with_a_fake():
 
     info = decode_info([1, 3, 2])
     a, b = make_weights()
-    buffers = fused.FusedBuffers(torch.device("cpu"), NUM_SLOTS, R_MAX)
+    buffers = fused.FusedBuffers.allocate(torch.device("cpu"), NUM_SLOTS, R_MAX)
     args = (torch.randn(3, K), a, b, torch.randn(3, OFFSETS[-1]), info.token_slots, info.ranks, info.scalings,
             buffers.ws, buffers.locks, OFFSETS, [128, 2, 0, 3])
     op = torch.ops.backplane_lora_triton.fused_shrink_expand.default
