@@ -114,7 +114,7 @@ case "$what" in
     timeout -s INT 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py \
       tests/gpu/test_lora_triton_gpu.py > "$out/lora-fused-tests.log" 2>&1
     test_summary lora-fused-tests $?
-    TAIL=40 step lora_decode 270 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
+    TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
   *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, lora-kernels, lora-fused, plot or all)"; exit 2 ;;

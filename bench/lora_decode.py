@@ -11,12 +11,12 @@ noise hits every variant alike:
 Kernels: per layer, the four projection groups' LoRA (fused decode kernel, and the segmented
 kernels for comparison) at T tokens on min(T, N) distinct adapters, timed in CUDA graphs, against
 the read floor: the bytes of those adapters' A and B over 4.3 TB/s (target: within 4x). Each
-group is checked against torch_native first. A small sweep of the fused kernel's launch settings
-at the largest T follows.
+group is checked against torch_native first. Then both paths at the fused path's token limit
+(64), and a small sweep of the fused kernel's launch settings at the largest T.
 
     python bench/lora_decode.py --out $OUT/lora_decode.json
     TRITON_INTERPRET=1 python bench/lora_decode.py --device cpu --model tiny-llama --batch-sizes 1 3 \\
-        --ranks 8 --adapters 2 --steps 2 --rounds 1 --no-sweep      # the CPU smoke run (eager, no targets)
+        --ranks 8 --adapters 2 --steps 2 --rounds 1 --threshold-tokens 4 --no-sweep   # CPU smoke (eager)
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per variant and round")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's launch-setting sweep")
+    p.add_argument("--threshold-tokens", type=int, default=64,
+                   help="also time fused vs segmented here (the fused path's limit), first rank")
     p.add_argument("--out", default=None, help="write the JSON report here")
     return p.parse_args()
 
@@ -212,10 +214,14 @@ def format_tables(report: dict) -> str:
     for row in report["kernels"]:
         lines.append(f"{row['tokens']:>3} {row['rank']:>4} {row['fused_us']:7.2f} {row['segmented_us']:7.2f} "
                      f"{row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} {row['layer_graph_us']:9.2f}")
+    th = report["threshold"]
+    lines.append(f"at the fused path's limit, T {th['tokens']} rank {th['rank']}: fused {th['fused_us']:.2f} us, "
+                 f"segmented {th['segmented_us']:.2f} us per layer")
     if report.get("sweep"):
         best = min(report["sweep"], key=lambda r: r["fused_us"])
-        lines.append(f"best fused launch setting at T {best['tokens']}: {best['config']} -> {best['fused_us']:.2f} us "
-                     f"per layer")
+        auto = next(r for r in report["kernels"] if (r["tokens"], r["rank"]) == (best["tokens"], best["rank"]))
+        lines.append(f"fused launch sweep at T {best['tokens']}: best {best['config']} {best['fused_us']:.2f} us per "
+                     f"layer (automatic: {auto['fused_us']:.2f} us)")
     return "\n".join(lines + [""] + verdicts(report))
 
 
@@ -229,6 +235,7 @@ def main() -> int:
     torch.manual_seed(0)
     report["kernels"] = [kernel_report(ns.model, rank, tokens, ns.adapters, device)
                          for rank in ns.ranks for tokens in ns.batch_sizes]
+    report["threshold"] = kernel_report(ns.model, ns.ranks[0], ns.threshold_tokens, ns.adapters, device)
     if not ns.no_sweep:
         report["sweep"] = sweep_fused(ns.model, ns.ranks[0], max(ns.batch_sizes), ns.adapters, device)
     report["steps"] = measure_steps(ns)

@@ -129,22 +129,21 @@ def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device:
 
 
 def sweep_fused(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device) -> list[dict]:
-    """Per-layer fused time for a few launch settings (span, split_k; 0: the automatic choice).
-    A setting that needs more programs than the kernel's buffers hold for some group is skipped."""
+    """Per-layer fused time for a few launch settings besides the automatic one (span, split_k;
+    0: automatic). A setting that needs more programs than the kernel's buffers hold is skipped."""
     from backplane.plugins.lora_triton.fused import FusedConfig
 
     info, ctx, groups, _ = _setup(model, rank, tokens, num_adapters, device)
     rows = []
-    for span in (0, 512):
-        for split_k in (0, 1, 4, 16):
-            config = FusedConfig(span=span, split_k=split_k)
-            backend = _backend(ctx, info, fused_config=config)
-            try:
-                _check(groups["qkv"], backend, ctx, info)
-                us = sum(time_us(lambda g=g: g.lora(backend), device) for g in groups.values())
-            except ValueError as exc:
-                print(f"sweep: span={span} split_k={split_k} skipped ({exc})")
-                continue
-            rows.append({"tokens": tokens, "rank": rank, "config": f"span={span or 'auto'} split_k={split_k or 'auto'}",
-                         "fused_us": us})
+    for span, split_k in ((0, 1), (512, 0), (256, 4), (0, 16)):
+        config = FusedConfig(span=span, split_k=split_k)
+        backend = _backend(ctx, info, fused_config=config)
+        try:
+            _check(groups["qkv"], backend, ctx, info)
+            us = sum(time_us(lambda g=g: g.lora(backend), device) for g in groups.values())
+        except ValueError as exc:
+            print(f"sweep: span={span} split_k={split_k} skipped ({exc})")
+            continue
+        rows.append({"tokens": tokens, "rank": rank, "config": f"span={span or 'auto'} split_k={split_k or 'auto'}",
+                     "fused_us": us})
     return rows
