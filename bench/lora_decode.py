@@ -144,7 +144,7 @@ def time_steps(ns, runners: dict, bs: int) -> dict:
         sessions[f"lora-r{rank}"] = Session(*runners[f"r{rank}"], names, ns.input_len)
     times = {name: [] for name in sessions}
     try:
-        for name, s in sessions.items():  # warm-up
+        for s in sessions.values():  # warm-up
             for _ in range(3):
                 s.step()
         gc.collect()

@@ -140,7 +140,7 @@ def sweep_fused(model: str, rank: int, tokens: int, num_adapters: int, device: t
         backend = _backend(ctx, info, fused_config=config)
         try:
             _check(groups["qkv"], backend, ctx, info)
-            us = sum(time_us(lambda g=g: g.lora(backend), device) for g in groups.values())
+            us = sum(time_us(lambda g=g, b=backend: g.lora(b), device) for g in groups.values())
         except ValueError as exc:
             print(f"sweep: span={span} split_k={split_k} skipped ({exc})")
             continue
