@@ -180,7 +180,7 @@ class Scheduler:
 
     def _run_decode(self, reqs: list[Req]) -> list[Req]:
         if self.spec_worker is not None:
-            return self._advance(reqs, self.spec_worker.decode(reqs, self))
+            return self._advance(reqs, self.spec_worker.decode(reqs))
         batch = self._prepare(build_decode_batch(reqs, self.kv_pool, self.req_pool), reqs)
         for req in reqs:
             req.num_cached += 1

@@ -23,7 +23,6 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"  # one new token per request
     TARGET_VERIFY = "target_verify"  # draft tokens checked by the target model under a tree mask
     DRAFT_EXTEND = "draft_extend"  # the draft model extends over the accepted tokens
-    IDLE = "idle"  # no tokens on this rank (tensor parallel with an empty batch)
 
     @property
     def is_extend_like(self) -> bool:
@@ -72,7 +71,6 @@ class ForwardBatch:
     mask_indptr: torch.Tensor | None = None
     spec_info: Any = None
     lora_info: Any = None
-    sampling_info: Any = None
     return_logprob: bool = False
     # Which tokens' hidden states go to the logits layer (default: the last of each request).
     logits_indices: torch.Tensor | None = None

@@ -111,11 +111,6 @@ class LoraLinear(nn.Module):
             self.lora_a[slot, j * self.max_rank : j * self.max_rank + rank].copy_(a, non_blocking=True)
             self.lora_b[slot, self.offsets[j] : self.offsets[j + 1], :rank].copy_(b, non_blocking=True)
 
-    @torch.no_grad()
-    def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-
 
 class QKVLoraLinear(LoraLinear):
     """q, k, v fused: one stacked shrink, then the fused expand into the three output slices."""

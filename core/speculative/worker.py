@@ -110,7 +110,7 @@ class SpecWorker(ABC):
 
     # -- one step -------------------------------------------------------------------------------
 
-    def decode(self, reqs: list, scheduler: Any = None) -> list[tuple[list[int], list[float]]]:
+    def decode(self, reqs: list) -> list[tuple[list[int], list[float]]]:
         """One speculative step for `reqs`; per request (new tokens, their log-probabilities)."""
         assert all(r.params.is_greedy for r in reqs), "speculative decoding here is greedy only"
         runner = self.runner
