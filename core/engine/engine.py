@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from typing import Any, Sequence
 
 from backplane.distributed.launcher import WorkerFailedError
@@ -63,6 +64,7 @@ class Engine:
         if self.lora_manager:
             self.lora_manager.running = lambda: self.scheduler.running
         self._rids = itertools.count()
+        self._lock = threading.Lock()  # one generate call at a time: the scheduler is not thread-safe
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""
@@ -99,15 +101,22 @@ class Engine:
         A request that cannot run (empty, too long, unknown adapter) comes back with
         finish_reason "abort" and `error`; the others are served normally.
         """
-        reqs = self._make_requests(prompts, input_ids, sampling_params, lora)
-        for req in reqs:
-            if not req.finished:
-                self.scheduler.add(req)
-        while self.scheduler.has_work:
-            finished = self._step()
-            if progress is not None:
-                progress(finished)
-        return [self._output(req) for req in reqs]
+        with self._lock:  # concurrent callers are served one call after another
+            reqs = self._make_requests(prompts, input_ids, sampling_params, lora)
+            try:
+                for req in reqs:
+                    if not req.finished:
+                        self.scheduler.add(req)
+                while self.scheduler.has_work:
+                    finished = self._step()
+                    if progress is not None:
+                        progress(finished)
+            except BaseException as exc:  # KeyboardInterrupt, a raising callback: free this call's slots first
+                for req in reqs:
+                    if not req.finished:
+                        self.scheduler.abort(req, f"generate interrupted: {type(exc).__name__}")
+                raise
+            return [self._output(req) for req in reqs]
 
     def _step(self) -> list[Req]:
         try:
