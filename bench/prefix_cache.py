@@ -66,8 +66,7 @@ def workloads(ns: argparse.Namespace, vocab: int, seed: int = 0) -> dict[str, li
 
 def set_cache(engine: Engine, enabled: bool) -> None:
     """Empty the cache and turn it on or off (between runs, when no request is running)."""
-    old = engine.scheduler.prefix_cache
-    old.tree.evict(old.tree.total_size)
+    engine.scheduler.prefix_cache.clear()
     runner = engine.runner
     engine.scheduler.prefix_cache = PrefixCache(runner.token_to_kv_pool, runner.req_to_token_pool, enabled=enabled)
 

@@ -75,6 +75,10 @@ class PrefixCache:
             self.tree.evict(missing)
         assert self.kv_pool.num_free >= num_slots, "prefix cache: fewer slots than available() promised"
 
+    def clear(self) -> int:
+        """Evict every unreferenced entry (all of them when no request runs); the number freed."""
+        return self.tree.evict(self.tree.evictable_size)
+
     # -- admission ------------------------------------------------------------------------------
 
     def match(self, req: Req, batch: RadixTree | None = None) -> bool:
