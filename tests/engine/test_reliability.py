@@ -190,7 +190,7 @@ ENGINE_ROWS = [
 
 @pytest.mark.parametrize("row, bad, fragment", ENGINE_ROWS, ids=[r[0] for r in ENGINE_ROWS])
 def test_bad_request_fails_alone(row, bad, fragment, engine, reference):
-    kv_pool, req_pool = engine.runner.token_to_kv_pool, engine.runner.req_to_token_pool
+    req_pool = engine.runner.req_to_token_pool
     free_slots, free_rows = unused_slots(engine), req_pool.num_free
     outs = engine.generate(input_ids=[GOOD[0], bad["input_ids"], GOOD[1]], sampling_params=PARAMS,
                            lora=[None, bad.get("lora"), None])
