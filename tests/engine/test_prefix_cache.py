@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from backplane import Engine, ForwardMode, SamplingParams
+from helpers_models import unused_slots
 from lora_helpers import make_lora_world
 
 CPU = dict(device="cpu", dtype="float32", load_format="dummy", disable_cuda_graph=True, seed=3)
@@ -38,8 +39,7 @@ def serve_twice(**settings):
     first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     first_tokens = sum(counts)
     second = engine.generate(input_ids=PROMPTS[::-1], sampling_params=GREEDY)[::-1]
-    assert engine.runner.token_to_kv_pool.num_free + engine.scheduler.prefix_cache.tree.total_size == \
-        engine.runner.token_to_kv_pool.num_slots
+    assert unused_slots(engine) == engine.runner.token_to_kv_pool.num_slots
     return [o.token_ids for o in first], [o.token_ids for o in second], (first_tokens, sum(counts) - first_tokens), engine
 
 
