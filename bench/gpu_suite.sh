@@ -12,6 +12,7 @@
 #                                 (issue 23: steps at bs 1/8/32, ranks 16/64, kernels against the floor)
 #   bench/gpu_suite.sh spec       the EAGLE and attention-graph GPU tests (triton and flashinfer side by
 #                                 side), the draft pool test, then bench/spec.py with its phase timing
+#   bench/gpu_suite.sh prefix-cache  bench/prefix_cache.py (radix cache on/off; llama-3.2-1b, llama-3.1-8b)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -108,6 +109,9 @@ case "$what" in
       -k share_the_pool > "$out/spec-tests-pool.log" 2>&1
     test_summary spec-tests-pool $?
     step spec 220 python3 bench/spec.py --backend triton --phases --token-map 32768 --out "$out/spec.json" ;;
+  prefix-cache)
+    step prefix-cache-1b 200 python3 bench/prefix_cache.py --models llama-3.2-1b --out "$out/prefix_cache-1b.json"
+    step prefix-cache-8b 370 python3 bench/prefix_cache.py --models llama-3.1-8b --out "$out/prefix_cache-8b.json" ;;
   lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   lora-fused)
@@ -117,7 +121,7 @@ case "$what" in
     TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

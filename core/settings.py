@@ -81,6 +81,7 @@ class ServerArgs(BaseSettings):
     max_total_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens")
     max_running_requests: int | None = Field(None, ge=1, description="requests decoded at once")
     chunked_prefill_size: int = Field(8192, ge=1, description="max new tokens in one prefill batch")
+    disable_radix_cache: bool = Field(False, description="do not reuse the KV of shared prompt prefixes")
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="logging")
     # Plugin option groups, filled from --<group>.<option> and BACKPLANE_<GROUP>__<OPTION>.
     plugin_options: dict[str, Any] = Field(default_factory=dict, exclude=True)

@@ -150,3 +150,11 @@ class BatchBuilder:
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|."""
     return float((actual - expected).abs().max() / expected.abs().max())
+
+
+def unused_slots(engine) -> int:
+    """KV slots no request holds: free ones plus those the prefix cache keeps for reuse. Call it
+    between generate calls (then no request references the cache, which this checks)."""
+    tree = engine.scheduler.prefix_cache.tree
+    assert tree.protected_size == 0, "a finished request still references the prefix cache"
+    return engine.runner.token_to_kv_pool.num_free + tree.total_size

@@ -75,6 +75,7 @@ def forward_requests(engine, prompts: list[list[int]], adapters: list[str | None
     """
     runner, manager = engine.runner, engine.lora_manager
     kv_pool, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
+    engine.scheduler.prefix_cache.clear()  # the forwards below allocate from the pool directly
     reqs = [Req(i, list(p), SamplingParams(), a) for i, (p, a) in enumerate(zip(prompts, adapters))]
     for req in reqs:
         req.row = req_pool.alloc()

@@ -52,7 +52,7 @@ def _run_generate(ns: argparse.Namespace, args, plugin_set) -> int:
     num_tokens = sum(len(o.token_ids) for o in outputs)
     if ns.json:
         print(json.dumps({"outputs": [o.to_dict() for o in outputs], "backends": engine.backends,
-                          "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}))
+                          "stats": engine.stats(), "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}))
     else:
         _print_text(outputs, engine, num_tokens, elapsed)
     return 2 if any(o.error for o in outputs) else 0
@@ -80,7 +80,15 @@ def _print_text(outputs, engine, num_tokens: int, elapsed: float) -> None:
           f"attention prefill={attn['prefill']['backend']} (plugin {attn['prefill']['plugin']}), "
           f"decode={attn['decode']['backend']} (plugin {attn['decode']['plugin']}); "
           f"custom ops: {_ops_summary(engine.backends['custom_ops'])}")
-    print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
+    print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s; "
+          f"{_cache_summary(engine.stats()['prefix_cache'])}")
+
+
+def _cache_summary(cache: dict) -> str:
+    if not cache["enabled"]:
+        return f"prefix cache off ({cache.get('disabled_reason', 'disabled')})"
+    return (f"prefix cache hit {cache['hit_tokens']}/{cache['query_tokens']} prompt tokens "
+            f"({100 * cache['hit_rate']:.1f}%)")
 
 
 def _ops_summary(chosen: dict[str, str]) -> str:

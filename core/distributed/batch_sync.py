@@ -39,6 +39,9 @@ class BatchMessage:
     return_logprob: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     lora: Any = None
+    # EXTEND: req_to_token[row, :prefix_len] of every request, request after request [sum prefix] int64;
+    # a prefix from the radix cache was never part of a batch on the workers.
+    prefix_slots: torch.Tensor | None = None
 
 
 def _host(t: torch.Tensor, dtype=torch.int64) -> torch.Tensor:
@@ -62,7 +65,16 @@ def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
         positions=_host(batch.positions), out_cache_loc=_host(batch.out_cache_loc),
         req_pool_indices=_host(batch.req_pool_indices), seq_lens_cpu=_host(batch.seq_lens_cpu, torch.int32),
         optional=optional, return_logprob=batch.return_logprob, extra=dict(batch.extra), lora=lora,
+        prefix_slots=_prefix_slots(batch),
     )
+
+
+def _prefix_slots(batch: ForwardBatch) -> torch.Tensor | None:
+    prefix = batch.extend_prefix_lens_cpu
+    if batch.forward_mode != ForwardMode.EXTEND or prefix is None or int(prefix.sum()) == 0:
+        return None
+    r2t, rows = batch.req_to_token_pool.req_to_token, batch.req_pool_indices.tolist()
+    return torch.cat([r2t[row, :n].to("cpu", torch.int64) for row, n in zip(rows, prefix.tolist())])
 
 
 def new_token_counts(msg: BatchMessage) -> torch.Tensor:
@@ -81,6 +93,11 @@ def mirror_req_to_token(msg: BatchMessage, req_to_token: torch.Tensor) -> None:
     """
     rows = torch.repeat_interleave(msg.req_pool_indices, new_token_counts(msg))  # [num_tokens]
     device = req_to_token.device
+    if msg.prefix_slots is not None:
+        prefix = msg.optional["extend_prefix_lens_cpu"].to(torch.int64)
+        prefix_rows = torch.repeat_interleave(msg.req_pool_indices, prefix)
+        cols = torch.cat([torch.arange(n) for n in prefix.tolist()])
+        req_to_token[prefix_rows.to(device), cols.to(device)] = msg.prefix_slots.to(device, torch.int32)
     req_to_token[rows.to(device), msg.positions.to(device)] = msg.out_cache_loc.to(device, torch.int32)
 
 

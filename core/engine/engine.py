@@ -8,6 +8,7 @@ import threading
 from typing import Any, Sequence
 
 from backplane.distributed.launcher import WorkerFailedError
+from backplane.engine.prefix_cache import PrefixCache
 from backplane.engine.request import FinishReason, Req, RequestOutput
 from backplane.engine.sampling_params import SamplingParams
 from backplane.engine.scheduler import Scheduler
@@ -59,12 +60,28 @@ class Engine:
             eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
             detokenize=self.decode, seed=self.args.seed,
             participants=[self.lora_manager] if self.lora_manager else [],
-            spec_worker=self.spec_worker,
+            spec_worker=self.spec_worker, prefix_cache=self._make_prefix_cache(),
         )
         if self.lora_manager:
             self.lora_manager.running = lambda: self.scheduler.running
         self._rids = itertools.count()
         self._lock = threading.Lock()  # one generate call at a time: the scheduler is not thread-safe
+
+    def _make_prefix_cache(self) -> PrefixCache:
+        """The radix cache over the KV pool: on unless --disable-radix-cache, or a speculative
+        algorithm cannot start from a cached prefix (then off, with a warning saying why)."""
+        refusal = getattr(self.spec_worker, "prefix_cache_refusal", None)
+        if self.args.disable_radix_cache:
+            refusal = "--disable-radix-cache"
+        elif refusal:
+            logger.warning("prefix cache off: %s (pass --disable-radix-cache to say so)", refusal)
+        runner = self.runner
+        return PrefixCache(runner.token_to_kv_pool, runner.req_to_token_pool, enabled=refusal is None,
+                           disabled_reason=refusal)
+
+    def stats(self) -> dict[str, Any]:
+        """Serving counters; "prefix_cache": hit and query token counts and the hit rate."""
+        return {"prefix_cache": self.scheduler.prefix_cache.stats()}
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""

@@ -33,6 +33,9 @@ class Req:
     row: int | None = None
     slots: list[torch.Tensor] = field(default_factory=list)
     num_cached: int = 0
+    # Prefix cache: the first `num_shared` slots belong to the radix tree, referenced at prefix_node.
+    num_shared: int = 0
+    prefix_node: Any = None
     generator: torch.Generator | None = None
     spec_state: Any = None
     # time.perf_counter() when the request was created, got its first token, and finished

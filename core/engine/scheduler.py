@@ -6,6 +6,11 @@ KV slots for the prompt chunk plus one slot per running request. Prompts longer 
 slots the newest running request is preempted: its slots are freed and it waits again, to be
 recomputed later with its output so far. A request that could never fit (longer than the
 context or the whole pool) is aborted with a clear error while the others go on.
+
+With a prefix cache (backplane.engine.prefix_cache), admission starts a request at its longest
+cached prefix and prefills only the rest; finished and preempted requests leave their KV in the
+cache, whose unreferenced entries are evicted (least recently used first) before anything is
+preempted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 
 from backplane.executor.batch import ForwardBatch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
+from backplane.engine.prefix_cache import PrefixCache
+from backplane.engine.radix import RadixTree
 from backplane.engine.request import Req
 from backplane.engine.stopping import check_stop
 from backplane.layers.sampler import SamplingBatch, sample
@@ -29,7 +36,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, runner, max_running: int, chunk_size: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str], seed: int = 0,
-                 participants: list[Any] | None = None, spec_worker: Any = None):
+                 participants: list[Any] | None = None, spec_worker: Any = None,
+                 prefix_cache: PrefixCache | None = None):
         self.runner = runner
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.token_to_kv_pool
@@ -46,6 +54,8 @@ class Scheduler:
         self.participants = participants or []
         # A speculative-decoding worker replaces the plain decode step (`decode(reqs, sample_fn)`).
         self.spec_worker = spec_worker
+        # Shared prefixes' KV (a radix tree over the pool); PrefixCache(enabled=False) caches nothing.
+        self.prefix_cache = prefix_cache or PrefixCache(self.kv_pool, self.req_pool, enabled=False)
         # After a failed forward: the requests of the batch being run, and those that run alone.
         self.current: list[Req] = []
         self.isolated: set[int] = set()
@@ -100,7 +110,7 @@ class Scheduler:
     def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
         reqs, chunks, budget = [], [], self.chunk_size
         reserve = self.decode_slots_per_request * sum(1 for r in self.running if not r.needs_prefill)
-        free = self.kv_pool.num_free - reserve
+        cache, in_batch = self.prefix_cache, RadixTree()
         candidates = [r for r in self.running if r.needs_prefill] + list(self.waiting)
         for req in candidates:
             is_new = req.row is None
@@ -108,22 +118,27 @@ class Scheduler:
                 break
             if reqs and req.rid in self.isolated:
                 break
+            if is_new and not cache.match(req, in_batch):
+                continue  # a request in this batch computes its prefix; it reads it from the cache next
             remaining = len(req.all_ids) - req.num_cached - (1 if req.output_ids else 0)
             n = min(remaining, budget)
-            if n > free or (is_new and not self._admissible(req, reqs)):
+            if n > cache.available() - reserve - sum(chunks) or (is_new and not self._admissible(req, reqs)):
+                if is_new:
+                    cache.unmatch(req)
                 break
             reqs.append(req)
             chunks.append(n)
             budget -= n
-            free -= n
             if req.rid in self.isolated:
                 break
         if not reqs:
             return None
+        cache.make_room(sum(chunks))
         for req in reqs:
             if req.row is None:
                 self.waiting.remove(req)
                 req.row = self.req_pool.alloc()
+                cache.admit(req)
                 self.running.append(req)
         return reqs, chunks
 
@@ -138,9 +153,10 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Req]:
         ready = [r for r in self.running if not r.needs_prefill]
-        while ready and self.kv_pool.num_free < self.decode_slots_per_request * len(ready):
+        while ready and self.prefix_cache.available() < self.decode_slots_per_request * len(ready):
             victim = ready.pop()  # newest first
-            self._preempt(victim)
+            self._preempt(victim, keep=True)
+        self.prefix_cache.make_room(self.decode_slots_per_request * len(ready))
         alone = [r for r in ready if r.rid in self.isolated]
         return alone[:1] or ready
 
@@ -149,15 +165,16 @@ class Scheduler:
         """KV slots one decode step needs per request (all the draft tokens under speculation)."""
         return self.spec_worker.slots_per_request if self.spec_worker is not None else 1
 
-    def _preempt(self, req: Req) -> None:
+    def _preempt(self, req: Req, keep: bool = False) -> None:
         logger.info("preempting request %d (KV pool full); it will be recomputed", req.rid)
-        self._release(req)
+        self._release(req, keep)
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def _release(self, req: Req) -> None:
-        if req.slots:
-            self.kv_pool.free(torch.cat(req.slots))
+    def _release(self, req: Req, keep: bool = False) -> None:
+        """Free the request's KV and row; keep=True hands valid KV to the prefix cache (not after a
+        failed forward, whose slots may be half written)."""
+        self.prefix_cache.release(req, keep)
         req.slots, req.num_cached = [], 0
         if req.row is not None:
             self.req_pool.free(req.row)
@@ -174,6 +191,8 @@ class Scheduler:
             logits = self.spec_worker.forward_prefill(batch, reqs, chunks).logits
         else:
             logits = self.runner.forward(batch).logits
+        for req in reqs:
+            self.prefix_cache.cache_prefilled(req)
         done = [req for req, c in zip(reqs, completes) if c]
         rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
         return self._sample_and_advance(done, logits.index_select(0, rows)) if done else []
@@ -210,7 +229,7 @@ class Scheduler:
                     break
             if req.finished:
                 req.finished_at = now
-                self._release(req)
+                self._release(req, keep=True)
                 self.running.remove(req)
                 self.isolated.discard(req.rid)
                 finished.append(req)

@@ -73,6 +73,9 @@ class SpecWorker(ABC):
     """Base of every speculative algorithm; subclasses implement `draft`."""
 
     capture_hidden = False  # does the algorithm need the target's hidden states (EAGLE)?
+    # Can a request start at a cached prefix (KV computed for another request)? None if so, else
+    # why not: the engine then turns the prefix cache off and says so.
+    prefix_cache_refusal: str | None = None
 
     def __init__(self, ctx: SpecContext):
         self.ctx = ctx

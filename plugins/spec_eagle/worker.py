@@ -42,6 +42,10 @@ class EagleState:
 
 class EagleWorker(SpecWorker):
     capture_hidden = True
+    # NOTE: the draft's input at position q is the target's feature at q - 1, which a request
+    # starting at a cached prefix never computed; recomputing it would mean recomputing the prefix.
+    prefix_cache_refusal = ("EAGLE drafts from the target's hidden states of every prompt token, "
+                            "which a cached prefix does not have")
 
     def __init__(self, ctx):
         super().__init__(ctx)

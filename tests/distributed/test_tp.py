@@ -23,7 +23,7 @@ from backplane.distributed import WorkerFailedError
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.request import Req
 from backplane.settings import ENV_TEST_FAIL_RANK
-from helpers_models import make_hf_model, relative_error, tiny_hf_config
+from helpers_models import make_hf_model, relative_error, tiny_hf_config, unused_slots
 from lora_helpers import forward_requests, make_lora_world
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -50,6 +50,7 @@ def forward_logits(engine: Engine, prompts: list[list[int]], next_tokens: list[i
     """fp32 logits of every prompt token (one prefill), then of one decode step over all prompts."""
     runner = engine.runner
     kv_pool, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
+    engine.scheduler.prefix_cache.clear()  # the forwards below allocate from the pool directly
     reqs = [Req(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
     for req in reqs:
         req.row = req_pool.alloc()
@@ -113,7 +114,19 @@ def test_tp2_dummy_preset_with_chunked_prefill_and_preemption():
     tp2_engine = Engine(**tight, tp_size=2)
     tp2 = serve(tp2_engine, prompts, num_logit_prompts=2)
     assert_same(tp1, tp2)
-    assert tp2_engine.runner.token_to_kv_pool.num_free == 100
+    assert unused_slots(tp2_engine) == 100
+
+
+def test_tp2_equals_tp1_with_prefix_cache_hits():
+    """Rank 0's radix cache hands cached prefixes to new requests: the workers' rows get them too."""
+    system = list(range(3, 53))
+    prompts = [system + [60 + i, 61 + i] for i in range(4)] + [system[:40] + [90, 91]]
+    settings = dict(model="tiny-llama", max_total_tokens=400, chunked_prefill_size=64, seed=7, **CPU)
+    tp1 = serve(Engine(**settings), prompts, num_logit_prompts=2)
+    tp2_engine = Engine(**settings, tp_size=2)
+    tp2 = serve(tp2_engine, prompts, num_logit_prompts=2)
+    assert_same(tp1, tp2)
+    assert tp2_engine.stats()["prefix_cache"]["hit_tokens"] >= 4 * 40
 
 
 def test_tp2_equals_tp1_with_lora(tmp_path_factory):

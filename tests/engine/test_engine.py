@@ -10,7 +10,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from backplane.cli import main
-from helpers_models import make_hf_model, tiny_hf_config
+from helpers_models import make_hf_model, tiny_hf_config, unused_slots
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -79,7 +79,7 @@ def test_chunked_prefill_and_preemption_do_not_change_greedy_output():
     tight = Engine("tiny-llama", device="cpu", max_total_tokens=160, chunked_prefill_size=16, max_running_requests=3)
     outs = tight.generate(input_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
-    assert tight.runner.token_to_kv_pool.num_free == 160
+    assert unused_slots(tight) == 160
 
 
 def test_same_seed_same_tokens(engine):
@@ -109,7 +109,7 @@ def test_stop_token_and_stop_string(engine):
 
 def test_pool_accounting_under_a_random_workload():
     engine = Engine("tiny-llama", device="cpu", max_total_tokens=200, max_running_requests=8, chunked_prefill_size=48)
-    start_free, start_rows = engine.runner.token_to_kv_pool.num_free, engine.runner.req_to_token_pool.num_free
+    start_free, start_rows = unused_slots(engine), engine.runner.req_to_token_pool.num_free
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 60))] for _ in range(300)]
     params = [SamplingParams(max_new_tokens=rng.randint(1, 16), temperature=rng.choice([0.0, 0.8]), seed=i)
@@ -118,12 +118,12 @@ def test_pool_accounting_under_a_random_workload():
     assert len(outs) == 300
     assert all(o.error is None and len(o.token_ids) >= 1 for o in outs)
     assert all(len(o.token_ids) == p.max_new_tokens for o, p in zip(outs, params) if o.finish_reason == "length")
-    assert engine.runner.token_to_kv_pool.num_free == start_free
+    assert unused_slots(engine) == start_free
     assert engine.runner.req_to_token_pool.num_free == start_rows
 
 
 def test_bad_requests_fail_alone(engine):
-    free = engine.runner.token_to_kv_pool.num_free
+    free = unused_slots(engine)
     good = [5, 6, 7]
     long_prompt = list(range(3, 3 + 2100))
     outs = engine.generate(input_ids=[good, [], long_prompt, good, list(range(3, 4000))],
@@ -132,7 +132,7 @@ def test_bad_requests_fail_alone(engine):
     assert "empty prompt" in outs[1].error and outs[1].finish_reason == "abort"
     assert "exceeds the context length 2048" in outs[2].error
     assert "2100 tokens" in outs[2].error
-    assert engine.runner.token_to_kv_pool.num_free == free
+    assert unused_slots(engine) == free
 
 
 def test_request_larger_than_the_pool_fails_alone():

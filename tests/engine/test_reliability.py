@@ -17,6 +17,7 @@ from backplane import AttentionBackendSpec, Engine, SamplingParams
 from backplane.attention import TorchNativeAttnBackend
 from backplane.cli import main
 from backplane.plugin.hookspecs import hookimpl
+from helpers_models import unused_slots
 
 POISON = 499  # the boom backend fails any batch whose input ids contain this token
 GOOD = [[5, 17, 33, 2, 9], [101, 3, 250, 77, 12, 6, 44]]
@@ -188,8 +189,8 @@ ENGINE_ROWS = [
 
 @pytest.mark.parametrize("row, bad, fragment", ENGINE_ROWS, ids=[r[0] for r in ENGINE_ROWS])
 def test_bad_request_fails_alone(row, bad, fragment, engine, reference):
-    kv_pool, req_pool = engine.runner.token_to_kv_pool, engine.runner.req_to_token_pool
-    free_slots, free_rows = kv_pool.num_free, req_pool.num_free
+    req_pool = engine.runner.req_to_token_pool
+    free_slots, free_rows = unused_slots(engine), req_pool.num_free
     outs = engine.generate(input_ids=[GOOD[0], bad["input_ids"], GOOD[1]], sampling_params=PARAMS,
                            lora=[None, bad.get("lora"), None])
     failed = outs[1]
@@ -198,7 +199,7 @@ def test_bad_request_fails_alone(row, bad, fragment, engine, reference):
     for out, expected in zip((outs[0], outs[2]), reference):
         assert out.error is None and out.finish_reason == "length"
         assert out.token_ids == expected
-    assert kv_pool.num_free == free_slots and req_pool.num_free == free_rows
+    assert unused_slots(engine) == free_slots and req_pool.num_free == free_rows
 
 
 def test_engine_serves_normally_after_a_failed_forward(engine, reference):
@@ -210,14 +211,14 @@ def test_engine_serves_normally_after_a_failed_forward(engine, reference):
 def test_decode_failure_aborts_only_its_request(engine, reference, monkeypatch):
     """GOOD[1]'s first token is reference[1][0]; a backend failing on decoding it (inside a batch
     with GOOD[0]) leaves GOOD[0] to complete and aborts GOOD[1] alone."""
-    free = engine.runner.token_to_kv_pool.num_free
+    free = unused_slots(engine)
     monkeypatch.setattr(BoomBackend, "decode_poison", reference[1][0])
     assert reference[1][0] not in reference[0]
     outs = engine.generate(input_ids=GOOD, sampling_params=PARAMS)
     assert outs[0].error is None and outs[0].token_ids == reference[0]
     assert outs[1].finish_reason == "abort" and f"boom: decode of token {reference[1][0]}" in outs[1].error
     assert outs[1].token_ids == reference[1][:1]
-    assert engine.runner.token_to_kv_pool.num_free == free
+    assert unused_slots(engine) == free
 
 
 def test_table_lists_every_row():

@@ -11,6 +11,7 @@ import pytest
 
 from backplane import Engine, SamplingParams
 from lora_helpers import make_lora_world
+from helpers_models import unused_slots
 
 NUM_REQUESTS, ROUNDS = 2000, 4
 
@@ -36,7 +37,7 @@ def test_soak(tmp_path):
     engine = Engine(str(world.base_dir), device="cpu", attention_backend="torch_native",
                     lora_paths=world.lora_paths(), max_loras_per_batch=2, max_total_tokens=256,
                     max_running_requests=12, chunked_prefill_size=64)
-    kv_start, rows_start = engine.runner.token_to_kv_pool.num_free, engine.runner.req_to_token_pool.num_free
+    kv_start, rows_start = unused_slots(engine), engine.runner.req_to_token_pool.num_free
     rng = random.Random(7)
     requests = [_request(rng, list(world.adapter_dirs)) for _ in range(NUM_REQUESTS)]
     # The pool holds 256 tokens; the requests need tens of thousands between them.
@@ -48,7 +49,7 @@ def test_soak(tmp_path):
         outputs += engine.generate(input_ids=[p for p, _, _ in chunk], sampling_params=[s for _, s, _ in chunk],
                                    lora=[a for _, _, a in chunk])
         rss_after_first = rss_after_first or _max_rss_mb()
-        assert engine.runner.token_to_kv_pool.num_free == kv_start
+        assert unused_slots(engine) == kv_start
         assert engine.runner.req_to_token_pool.num_free == rows_start
     assert len(outputs) == NUM_REQUESTS
     for (_, params, _), out in zip(requests, outputs):

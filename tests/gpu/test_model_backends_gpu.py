@@ -14,6 +14,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from greedy_ties import check_divergences
+from helpers_models import unused_slots
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,7 +51,7 @@ def _generate(path, backend, graphs, prompts, max_new_tokens=32):
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert all(o.error is None for o in outs)
-    assert engine.runner.token_to_kv_pool.num_free == 20000
+    assert unused_slots(engine) == 20000
     return [o.token_ids for o in outs]
 
 

@@ -12,7 +12,7 @@ import torch
 from backplane import Engine, SamplingParams
 from backplane.lora.adapter import AdapterError
 from backplane.lora.pool import SlotPool
-from helpers_models import relative_error
+from helpers_models import relative_error, unused_slots
 from lora_helpers import forward_requests, hf_logits, make_lora_world, with_fake_graphs
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -70,7 +70,7 @@ def test_generate_mixed_equals_merged_greedy(engine, merged_greedy):
     assert [out.token_ids for out in outs] == merged_greedy
     assert len({tuple(t) for t in merged_greedy[:2]}) == 2  # adapter and base differ on one prompt
     assert engine.backends["lora"]["backend"] == "torch_native"
-    assert engine.runner.token_to_kv_pool.num_free == 1024
+    assert unused_slots(engine) == 1024
 
 
 def test_eviction_and_reload_give_the_same_outputs(world, merged_greedy):

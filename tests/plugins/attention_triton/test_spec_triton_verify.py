@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
+from helpers_models import unused_slots
 
 if torch.cuda.is_available():
     pytest.skip("the interpreter run is for CPU machines; tests/gpu covers the GPU", allow_module_level=True)
@@ -20,7 +21,7 @@ def _generate(**kw) -> list[list[int]]:
     outs = engine.generate(input_ids=PROMPTS, sampling_params=SamplingParams(max_new_tokens=10, temperature=0.0,
                                                                              ignore_eos=True))
     assert all(o.error is None for o in outs)
-    assert engine.runner.token_to_kv_pool.num_free == 2048
+    assert unused_slots(engine) == 2048
     return [o.token_ids for o in outs]
 
 

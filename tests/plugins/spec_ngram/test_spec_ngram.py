@@ -8,6 +8,7 @@ import pytest
 
 from backplane import Engine, SamplingParams
 from backplane.plugins.spec_ngram.worker import lookup
+from helpers_models import unused_slots
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -48,7 +49,7 @@ def test_greedy_equals_plain_greedy(plain, num_draft_tokens, batch):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
     stats = spec.spec_worker.stats
     assert 1.0 <= stats.mean_acceptance_length <= num_draft_tokens
-    assert spec.runner.token_to_kv_pool.num_free == 4096
+    assert unused_slots(spec) == 4096
 
 
 def test_repetitive_text_gets_long_acceptance():
@@ -75,7 +76,7 @@ def test_tight_pool_with_preemption_matches_plain(plain):
     start_rows = tight.runner.req_to_token_pool.num_free
     got = tight.generate(input_ids=prompts, sampling_params=params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert tight.runner.token_to_kv_pool.num_free == 120
+    assert unused_slots(tight) == 120
     assert tight.runner.req_to_token_pool.num_free == start_rows
 
 

@@ -1,0 +1,166 @@
+"""PrefixCache: the scheduler's prefix caching, requests on one side and the radix tree on the other.
+
+The scheduler calls, per request:
+  - `match(req, batch)` when it considers a waiting request: take the longest cached prefix of
+    what the request must prefill (locked, so it is not evicted) -- req.num_cached, req.slots and
+    req.num_shared start at it -- or defer the request (False) when a request already chosen for
+    this batch is about to compute a longer prefix of it; `unmatch(req)` if it is not admitted,
+  - `admit(req)` once it has a request-pool row: the row's first num_shared columns get the
+    cached slots (the rest are written by the extend batch, which has extend_prefix_lens > 0),
+  - `cache_prefilled(req)` after each successful prefill chunk: the new KV joins the tree, so
+    requests admitted from the next step on share it,
+  - `release(req, keep)` when it finishes or is preempted (keep=True: its KV goes to the tree) or
+    is aborted or rolled back after a failed forward (keep=False: its own slots are freed).
+It never preempts: `available()` counts free plus evictable slots, and `make_room(n)` evicts
+unreferenced leaves (least recently used first) until n slots are free.
+
+Requests on different adapters (req.lora) never share KV: the adapter is the tree's namespace.
+With `enabled=False` (--disable-radix-cache) nothing is cached and every request's slots are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backplane.engine.radix import RadixTree
+from backplane.engine.request import Req
+from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+
+# A waiting request whose uncached part shares at least this many tokens with a request chosen for
+# the same prefill batch waits one step, then reads that prefix from the cache instead of
+# computing it a second time.
+IN_BATCH_SHARE_MIN = 32
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per admission: tokens to prefill looked up, and how many were cached."""
+
+    num_requests: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def prefill_target(req: Req) -> int:
+    """Tokens whose KV a prefill computes: all but the last generated one (it has no KV yet)."""
+    return len(req.all_ids) - (1 if req.output_ids else 0)
+
+
+class PrefixCache:
+    def __init__(self, kv_pool: TokenToKVPool, req_pool: ReqToTokenPool, enabled: bool = True,
+                 disabled_reason: str | None = None):
+        self.kv_pool, self.req_pool = kv_pool, req_pool
+        self.enabled = enabled
+        self.disabled_reason = disabled_reason if not enabled else None
+        self.tree = RadixTree(kv_pool.free)
+        self.counts = PrefixCacheStats()
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    def available(self) -> int:
+        """Slots that can be handed out now: free ones plus those eviction can free."""
+        return self.kv_pool.num_free + self.tree.evictable_size
+
+    def make_room(self, num_slots: int) -> None:
+        """Evict until `num_slots` slots are free (the caller checked `available()`)."""
+        missing = num_slots - self.kv_pool.num_free
+        if missing > 0:
+            self.tree.evict(missing)
+        assert self.kv_pool.num_free >= num_slots, "prefix cache: fewer slots than available() promised"
+
+    def clear(self) -> int:
+        """Evict every unreferenced entry (all of them when no request runs); the number freed."""
+        return self.tree.evict(self.tree.evictable_size)
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def match(self, req: Req, batch: RadixTree | None = None) -> bool:
+        """Start a waiting request at its longest cached prefix; False to defer it (see module doc).
+
+        `batch`: a bookkeeping tree of the keys chosen so far for this prefill batch (None: no check).
+        At least one token is left to compute (a prefill must produce the next token's logits).
+        """
+        if not self.enabled:
+            return True
+        key = req.all_ids[:prefill_target(req) - 1]
+        found = self.tree.match(key, req.lora)
+        if batch is not None:
+            if batch.match(key, req.lora).length >= found.length + IN_BATCH_SHARE_MIN:
+                return False
+            batch.insert(key, torch.zeros(len(key), dtype=torch.int64), req.lora)
+        self.tree.lock(found.node)
+        req.prefix_node, req.num_shared = found.node, found.length
+        req.num_cached = found.length
+        req.slots = [found.slots] if found.length else []
+        return True
+
+    def unmatch(self, req: Req) -> None:
+        """Undo `match` for a request that was not admitted after all."""
+        if req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+        req.prefix_node, req.num_shared, req.num_cached, req.slots = None, 0, 0, []
+
+    def admit(self, req: Req) -> None:
+        """The request has its row: record its cached prefix there and count the lookup."""
+        self.counts.num_requests += 1
+        self.counts.query_tokens += prefill_target(req)
+        self.counts.hit_tokens += req.num_shared
+        if req.num_shared:
+            device = self.req_pool.req_to_token.device
+            self.req_pool.req_to_token[req.row, :req.num_shared] = req.slots[0].to(device, torch.int32)
+
+    # -- after prefill, finish, preemption, abort -------------------------------------------------
+
+    def cache_prefilled(self, req: Req) -> None:
+        """After a prefill chunk: move the request's new KV into the tree and reference it there.
+
+        Skipped when the tree already holds more of the key than the request shares (another
+        request computed the same tokens): the request keeps its own copy until it is released.
+        """
+        if not self.enabled or req.num_cached <= req.num_shared:
+            return
+        key, slots = req.all_ids[:req.num_cached], torch.cat(req.slots)
+        if self.tree.match(key, req.lora).length != req.num_shared:
+            return
+        self.tree.insert(key, slots, req.lora)
+        found = self.tree.match(key, req.lora)
+        self.tree.lock(found.node)
+        if req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+        req.prefix_node, req.num_shared, req.slots = found.node, req.num_cached, [slots]
+
+    def release(self, req: Req, keep: bool) -> None:
+        """Give back the request's KV: to the tree (keep) or to the pool (its own slots only).
+
+        With keep, the slots of every token that is also in req.all_ids join the tree (a
+        speculative step may have written KV past a stop token; those slots are freed).
+        """
+        slots = torch.cat(req.slots) if req.slots else torch.empty(0, dtype=torch.int64)
+        if keep and self.enabled:
+            n = min(req.num_cached, len(req.all_ids))
+            self.tree.insert(req.all_ids[:n], slots[:n], req.lora)
+            self.kv_pool.free(slots[n:])
+        else:
+            self.kv_pool.free(slots[req.num_shared:])
+        if req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+        req.prefix_node, req.num_shared = None, 0
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Hit and query token counts, the hit rate, and the tree's size (tokens)."""
+        c = self.counts
+        out = {"enabled": self.enabled, "num_requests": c.num_requests, "query_tokens": c.query_tokens,
+               "hit_tokens": c.hit_tokens, "hit_rate": c.hit_rate, "cached_tokens": self.tree.total_size,
+               "evictable_tokens": self.tree.evictable_size}
+        if self.disabled_reason:
+            out["disabled_reason"] = self.disabled_reason
+        return out

@@ -1,0 +1,208 @@
+"""A radix tree over the KV pool: token-id prefixes -> the KV slots that hold them (page size 1).
+
+Each edge of the tree holds a run of token ids and, slot for slot, the KV slots of those tokens.
+A path from a root spells a token prefix; its slots are that prefix's KV. Requests on different
+adapters never share KV, so each namespace (None for the base model, else the adapter name) has its
+own root.
+
+Ownership: every slot in the tree is owned by the tree. A running request that uses a cached
+prefix holds a reference (`lock`) on the deepest node of its match; a referenced node and its
+ancestors are never evicted. `evict(n)` frees unreferenced leaves, least recently used first,
+until `n` slots are back in the pool (or nothing more is evictable).
+
+Accounting, at every moment: `evictable_size + protected_size == total_size` (tokens in the tree),
+and free + total_size + slots private to requests == the pool's size.
+
+The tree lives in the scheduler's process (rank 0 under tensor parallelism); it is host-only
+bookkeeping and never touches the device.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """key: the token ids of the edge from the parent; slots: [len(key)] int64 (host)."""
+
+    key: list[int]
+    slots: torch.Tensor
+    parent: RadixNode | None = None
+    children: dict[int, RadixNode] = field(default_factory=dict)  # first token of the child's key -> child
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def __lt__(self, other: RadixNode) -> bool:  # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+@dataclass
+class PrefixMatch:
+    """The longest cached prefix of a key: its slots [length] int64 (host) and the node where it ends
+    (a root when nothing matched). Lock `node` to keep the prefix while it is used."""
+
+    slots: torch.Tensor
+    node: RadixNode
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.numel())
+
+
+def common_length(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (slice comparisons run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # the answer is in [lo, hi]: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class RadixTree:
+    """The tree and its reference counts. `free_slots(slots)` is called with evicted and duplicate
+    slots (the KV pool's `free`); None keeps the tree pure bookkeeping (the scheduler's in-batch
+    check uses it that way)."""
+
+    def __init__(self, free_slots=None):
+        self.free_slots = free_slots
+        self.roots: dict[Hashable, RadixNode] = {}
+        self.evictable_size = 0
+        self.protected_size = 0
+        self._clock = itertools.count(1)
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+    def root(self, namespace: Hashable = None) -> RadixNode:
+        if namespace not in self.roots:
+            self.roots[namespace] = RadixNode([], _EMPTY, lock_ref=1)  # a root is never evicted
+        return self.roots[namespace]
+
+    # -- match and insert -----------------------------------------------------------------------
+
+    def match(self, key: list[int], namespace: Hashable = None) -> PrefixMatch:
+        """The longest cached prefix of `key`. A node the match ends inside is split there, so the
+        match always ends at a node boundary; every node on the path counts as used now."""
+        node, pieces, i = self.root(namespace), [], 0
+        now = next(self._clock)
+        node.last_access = now
+        while i < len(key) and key[i] in node.children:
+            child = node.children[key[i]]
+            n = common_length(child.key, key[i:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            pieces.append(child.slots)
+            node, i = child, i + n
+        return PrefixMatch(torch.cat(pieces) if pieces else _EMPTY, node)
+
+    def insert(self, key: list[int], slots: torch.Tensor, namespace: Hashable = None) -> int:
+        """Hand the KV of `key` (slots [len(key)] int64) to the tree; return how many leading tokens
+        were cached already.
+
+        Every slot passed is the tree's afterwards: a slot already in the tree at its position is
+        kept, one that duplicates a cached token (the same token computed twice) is freed, and the
+        part past the cached prefix becomes a new leaf.
+        """
+        assert len(key) == slots.numel(), f"insert: {len(key)} tokens but {slots.numel()} slots"
+        node, i = self.root(namespace), 0
+        now = next(self._clock)
+        while i < len(key) and key[i] in node.children:
+            child = node.children[key[i]]
+            n = common_length(child.key, key[i:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._free_duplicates(slots[i:i + n], child.slots)
+            child.last_access = now
+            node, i = child, i + n
+        if i < len(key):
+            leaf = RadixNode(list(key[i:]), slots[i:].clone(), parent=node, last_access=now)
+            node.children[key[i]] = leaf
+            self.evictable_size += len(leaf.key)  # nobody references a new leaf yet
+        return i
+
+    def _free_duplicates(self, given: torch.Tensor, cached: torch.Tensor) -> None:
+        duplicate = given != cached
+        if self.free_slots is not None and bool(duplicate.any()):
+            self.free_slots(given[duplicate])
+
+    def _split(self, child: RadixNode, n: int) -> RadixNode:
+        """Cut `child`'s edge after n tokens: a new node takes the first n and becomes its parent.
+        The new node carries child's references (a lock on child holds all its ancestors)."""
+        parent = child.parent
+        upper = RadixNode(child.key[:n], child.slots[:n], parent=parent, lock_ref=child.lock_ref,
+                          last_access=child.last_access)
+        upper.children[child.key[n]] = child
+        parent.children[child.key[0]] = upper
+        child.key, child.slots, child.parent = child.key[n:], child.slots[n:], upper
+        return upper
+
+    # -- references -----------------------------------------------------------------------------
+
+    def lock(self, node: RadixNode) -> None:
+        """A request uses the prefix ending at `node`: protect it and its ancestors from eviction."""
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Drop the reference taken by `lock(node)`."""
+        while node.parent is not None:
+            assert node.lock_ref > 0, "unlock of a node that is not locked"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.key)
+                self.evictable_size += len(node.key)
+            node = node.parent
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def evict(self, num_slots: int) -> int:
+        """Free unreferenced leaves, least recently used first, until `num_slots` slots are freed
+        (a leaf is freed whole, so possibly more) or none is left; return the number freed."""
+        heap = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_slots and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            self.evictable_size -= len(leaf.key)
+            freed += len(leaf.key)
+            if self.free_slots is not None:
+                self.free_slots(leaf.slots)
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def nodes(self):
+        """Every non-root node, depth first."""
+        stack = [c for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_slots(self) -> torch.Tensor:
+        """Every slot the tree owns (tests and invariant checks)."""
+        pieces = [n.slots for n in self.nodes()]
+        return torch.cat(pieces) if pieces else _EMPTY
