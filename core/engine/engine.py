@@ -58,11 +58,19 @@ class Engine:
             eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
             detokenize=self.decode, seed=self.args.seed,
             participants=[self.lora_manager] if self.lora_manager else [],
-            spec_worker=self.spec_worker,
+            spec_worker=self.spec_worker, overlap=self.overlap_schedule,
         )
+        if self.spec_worker is not None and not self.args.disable_overlap_schedule:
+            logger.info("overlap scheduling is off under speculative decoding (%s): each step's tokens "
+                        "are read before the next is built", self.spec.name)
         if self.lora_manager:
             self.lora_manager.running = lambda: self.scheduler.running
         self._rids = itertools.count()
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether steps overlap (on by default; off with --disable-overlap-schedule or speculation)."""
+        return not self.args.disable_overlap_schedule and self.spec_worker is None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""
@@ -82,6 +90,7 @@ class Engine:
     @property
     def backends(self) -> dict[str, Any]:
         summary = self.runner.backends_summary()
+        summary["overlap_schedule"] = self.overlap_schedule
         if self.lora_manager:
             summary["lora"] = self.lora_manager.summary()
         if self.spec_worker is not None:
