@@ -38,5 +38,5 @@ def sampling_batch(reqs: list[Req], device: torch.device) -> SamplingBatch:
                           dtype=torch.float64).to(device)  # one copy; top_k is exact in float64
     return SamplingBatch(
         temperatures=values[:, 0].float(), top_ks=values[:, 1].long(), top_ps=values[:, 2].float(),
-        min_ps=values[:, 3].float(), generators=[r.generator for r in reqs], all_greedy=False, device=device,
+        min_ps=values[:, 3].float(), generators=[r.generator for r in reqs], all_greedy=False,
     )
