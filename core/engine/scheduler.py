@@ -20,7 +20,7 @@ import torch
 from backplane.executor.batch import ForwardBatch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.overlap import FutureTokens, LaunchedStep, OverlapLoop
-from backplane.engine.request import FinishReason, Req
+from backplane.engine.request import Req
 from backplane.engine.stopping import check_stop
 from backplane.engine.sampling_state import SamplingCache
 from backplane.layers.sampler import sample
