@@ -6,6 +6,8 @@
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
+#   bench/gpu_suite.sh decode     bench/peer_decode.py: engine decode vs a torch.compile loop, 1B and 8B,
+#                                 triton and flashinfer, bs 1/8/32, overlap on and off, a bs-1 profile
 #   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
 #   bench/gpu_suite.sh spec       the EAGLE and attention-graph GPU tests (triton and flashinfer side by
 #                                 side), the draft pool test, then bench/spec.py with its phase timing
@@ -105,11 +107,15 @@ case "$what" in
       -k share_the_pool > "$out/spec-tests-pool.log" 2>&1
     test_summary spec-tests-pool $?
     step spec 220 python3 bench/spec.py --backend triton --phases --token-map 32768 --out "$out/spec.json" ;;
+  decode)
+    step peer-decode-1b 240 python3 bench/peer_decode.py --models llama-3.2-1b --profile --out "$out/peer-decode-1b.json"
+    step peer-decode-8b 330 python3 bench/peer_decode.py --models llama-3.1-8b --profile --out "$out/peer-decode-8b.json"
+    for m in 1b 8b; do echo "== peer-decode-$m table"; sed -n '/^model /,$p' "$out/peer-decode-$m.log"; done ;;
   lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, lora-kernels, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, decode, lora-kernels, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"
