@@ -42,7 +42,7 @@ run_tests() {
     [tests-flashinfer]="tests/gpu/test_attention_flashinfer_gpu.py"
     [tests-conformance]="tests/gpu/test_conformance_gpu.py"
     [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
-    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
+    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
   )
   # Tests that measure graph memory read the device's free memory: they run alone, afterwards.
   local serial="share_the_pool or shares_the_pool"
