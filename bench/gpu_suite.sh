@@ -6,6 +6,8 @@
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
+#   bench/gpu_suite.sh decode     bench/peer_decode.py: engine decode vs a torch.compile loop, 1B and 8B,
+#                                 triton and flashinfer, bs 1/8/32, overlap on and off, a bs-1 profile
 #   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
 #   bench/gpu_suite.sh lora-fused the LoRA GPU tests (conformance with the fused decode kernel in graphs,
 #                                 hidden states against the PEFT-merged models), then bench/lora_decode.py
@@ -44,7 +46,7 @@ run_tests() {
     [tests-flashinfer]="tests/gpu/test_attention_flashinfer_gpu.py"
     [tests-conformance]="tests/gpu/test_conformance_gpu.py"
     [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
-    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
+    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
   )
   # Tests that measure graph memory read the device's free memory: they run alone, afterwards.
   local serial="share_the_pool or shares_the_pool"
@@ -112,6 +114,10 @@ case "$what" in
   prefix-cache)
     step prefix-cache-1b 200 python3 bench/prefix_cache.py --models llama-3.2-1b --out "$out/prefix_cache-1b.json"
     step prefix-cache-8b 370 python3 bench/prefix_cache.py --models llama-3.1-8b --out "$out/prefix_cache-8b.json" ;;
+  decode)
+    step peer-decode-1b 240 python3 bench/peer_decode.py --models llama-3.2-1b --profile --out "$out/peer-decode-1b.json"
+    step peer-decode-8b 330 python3 bench/peer_decode.py --models llama-3.1-8b --profile --out "$out/peer-decode-8b.json"
+    for m in 1b 8b; do echo "== peer-decode-$m table"; sed -n '/^model /,$p' "$out/peer-decode-$m.log"; done ;;
   lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
   lora-fused)
@@ -121,7 +127,7 @@ case "$what" in
     TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, decode, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

@@ -77,6 +77,8 @@ class ServerArgs(BaseSettings):
     enable_torch_compile: bool = Field(False, description="torch.compile small batch sizes")
     torch_compile_max_bs: int = Field(32, ge=1, description="largest batch size to compile")
     # Memory and scheduling
+    disable_overlap_schedule: bool = Field(
+        False, description="read each step's tokens before building the next (no host/device overlap)")
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="device memory for weights+KV")
     max_total_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens")
     max_running_requests: int | None = Field(None, ge=1, description="requests decoded at once")

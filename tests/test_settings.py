@@ -38,6 +38,7 @@ SAMPLES = {
     "cuda_graph_max_bs": (["64"], "64", 64),
     "disable_cuda_graph": ([], "true", True),
     "disable_cuda_graph_padding": ([], "1", True),
+    "disable_overlap_schedule": ([], "true", True),
     "enable_torch_compile": ([], "1", True),
     "torch_compile_max_bs": (["16"], "16", 16),
     "mem_fraction_static": (["0.5"], "0.5", 0.5),

@@ -168,6 +168,8 @@ def format_report(report: dict[str, Any]) -> str:
         g = report["graph"]
         lines.append(f"graphs: {len(g['batch_sizes'])} sizes captured in {g['capture_s']:.1f} s, {g['memory_mb']:.0f} MB")
     lines += report["graph_mode_limits"]
+    lines.append(f"overlap scheduling: {'on' if report['backends'].get('overlap_schedule') else 'off'} "
+                 "(applies to generate; the rows below time single forwards)")
     lines.append(f"{'bs':>4} {'mode':>6} {'prefill ms':>11} {'prefill tok/s':>14} {'decode ms':>10} {'decode tok/s':>13}")
     for r in report["results"]:
         lines.append(f"{r['batch_size']:>4} {r['mode']:>6} {r['prefill_ms']:>11.2f} {r['prefill_tok_s']:>14.0f} "
@@ -177,7 +179,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"LoRA backend {lora['backend']}: requests take the adapters {', '.join(sorted(lora['adapters']))} in turn")
     spec = report.get("speculative")
     if spec:
-        lines.append(f"speculative {spec['algorithm']} ({spec['num_draft_tokens']} draft tokens), greedy generation:")
+        lines.append(f"speculative {spec['algorithm']} ({spec['num_draft_tokens']} draft tokens), greedy generation "
+                     "(overlap scheduling off: speculative steps are not overlapped yet):")
         lines.append(f"{'bs':>4} {'tok/s':>9} {'acceptance length':>18}")
         for r in spec["results"]:
             lines.append(f"{r['batch_size']:>4} {r['tok_s']:>9.0f} {r['acceptance_length']:>18.2f}")

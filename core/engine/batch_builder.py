@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.engine.overlap import FutureTokens
 from backplane.engine.request import Req
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
@@ -40,14 +41,27 @@ def build_extend_batch(reqs: list[Req], chunks: list[int], kv_pool: TokenToKVPoo
                        prefix=prefix, extend=chunks)
 
 
-def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToTokenPool) -> ForwardBatch:
-    """One new token per request: the last generated one, at position `num_cached`."""
+def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToTokenPool,
+                       future: FutureTokens | None = None) -> ForwardBatch:
+    """One new token per request: the last generated one, at position `num_cached`.
+
+    A token still in flight (overlap scheduling) goes in as its negative placeholder from
+    `future`; the caller resolves `input_ids` on the device before the forward.
+    """
     out_cache_loc = _assign_slots(reqs, [1] * len(reqs), kv_pool, req_pool)
-    input_ids = [req.all_ids[req.num_cached] for req in reqs]
+    input_ids = [_last_token(req, future) for req in reqs]
     positions = [req.num_cached for req in reqs]
     seq_lens = [p + 1 for p in positions]
     return _make_batch(ForwardMode.DECODE, reqs, input_ids, positions, seq_lens, out_cache_loc,
                        req_pool, kv_pool)
+
+
+def _last_token(req: Req, future: FutureTokens | None) -> int:
+    ids = req.all_ids
+    if req.num_cached < len(ids):
+        return ids[req.num_cached]
+    assert future is not None, f"request {req.rid}: no token at position {req.num_cached} and no future map"
+    return future.placeholder(req)
 
 
 def build_verify_batch(reqs: list[Req], input_ids: list[int] | torch.Tensor, positions: list[int],

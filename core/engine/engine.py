@@ -61,7 +61,11 @@ class Engine:
             detokenize=self.decode, seed=self.args.seed,
             participants=[self.lora_manager] if self.lora_manager else [],
             spec_worker=self.spec_worker, prefix_cache=self._make_prefix_cache(),
+            overlap=self.overlap_schedule,
         )
+        if self.spec_worker is not None and not self.args.disable_overlap_schedule:
+            logger.info("overlap scheduling is off under speculative decoding (%s): each step's tokens "
+                        "are read before the next is built", self.spec.name)
         if self.lora_manager:
             self.lora_manager.running = lambda: self.scheduler.running
         self._rids = itertools.count()
@@ -83,6 +87,11 @@ class Engine:
         """Serving counters; "prefix_cache": hit and query token counts and the hit rate."""
         return {"prefix_cache": self.scheduler.prefix_cache.stats()}
 
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether steps overlap (on by default; off with --disable-overlap-schedule or speculation)."""
+        return not self.args.disable_overlap_schedule and self.spec_worker is None
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""
         tp = getattr(self, "tp", None)
@@ -101,6 +110,7 @@ class Engine:
     @property
     def backends(self) -> dict[str, Any]:
         summary = self.runner.backends_summary()
+        summary["overlap_schedule"] = self.overlap_schedule
         if self.lora_manager:
             summary["lora"] = self.lora_manager.summary()
         if self.spec_worker is not None:

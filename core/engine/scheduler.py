@@ -24,11 +24,13 @@ import torch
 
 from backplane.executor.batch import ForwardBatch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
+from backplane.engine.overlap import FutureTokens, LaunchedStep, OverlapLoop
 from backplane.engine.prefix_cache import PrefixCache
 from backplane.engine.radix import RadixTree
 from backplane.engine.request import Req
 from backplane.engine.stopping import check_stop
-from backplane.layers.sampler import SamplingBatch, sample
+from backplane.engine.sampling_state import SamplingCache
+from backplane.layers.sampler import sample
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class Scheduler:
     def __init__(self, runner, max_running: int, chunk_size: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str], seed: int = 0,
                  participants: list[Any] | None = None, spec_worker: Any = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, overlap: bool = False):
         self.runner = runner
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.token_to_kv_pool
@@ -59,6 +61,12 @@ class Scheduler:
         # After a failed forward: the requests of the batch being run, and those that run alone.
         self.current: list[Req] = []
         self.isolated: set[int] = set()
+        self.sampling = SamplingCache()
+        self._flushed: list[Req] = []  # finished while draining the overlap step for a preemption
+        # Overlap scheduling (backplane.engine.overlap): the next step is launched before this
+        # one's tokens are read; speculative decoding runs without it.
+        self.future = FutureTokens(self.max_running, runner.device) if overlap and spec_worker is None else None
+        self.overlap = OverlapLoop(self) if self.future is not None else None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -93,19 +101,31 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.overlap and self.overlap.has_pending))
 
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
-        """Run one prefill or decode batch; return the requests that finished in it."""
+        """Run one prefill or decode batch; return the requests that finished.
+
+        With overlap the batch is launched and the previous step's requests are finished.
+        """
+        if self.overlap is not None:
+            finished = self.overlap.step()
+            flushed, self._flushed = self._flushed, []
+            return flushed + finished
+        launched = self.launch_step()
+        return self.finish_step(launched) if launched is not None else []
+
+    def launch_step(self) -> LaunchedStep | None:
+        """Schedule and launch one batch; None when nothing ran or nothing was sampled."""
         self.current = []
         prefill = self._schedule_prefill()
         if prefill:
             self.current = prefill[0]
             return self._run_prefill(*prefill)
         self.current = self._schedule_decode()
-        return self._run_decode(self.current) if self.current else []
+        return self._run_decode(self.current) if self.current else None
 
     def _schedule_prefill(self) -> tuple[list[Req], list[int]] | None:
         reqs, chunks, budget = [], [], self.chunk_size
@@ -153,6 +173,11 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Req]:
         ready = [r for r in self.running if not r.needs_prefill]
+        need = self.decode_slots_per_request * len(ready)
+        if self.overlap is not None and self.prefix_cache.available() < need:
+            # NOTE: preemption needs exact host state (no token in flight): finish the last step first.
+            self._flushed += self.overlap.flush()
+            ready = [r for r in self.running if not r.needs_prefill]
         while ready and self.prefix_cache.available() < self.decode_slots_per_request * len(ready):
             victim = ready.pop()  # newest first
             self._preempt(victim, keep=True)
@@ -179,10 +204,12 @@ class Scheduler:
         if req.row is not None:
             self.req_pool.free(req.row)
             req.row = None
+        if self.future is not None:
+            self.future.forget(req)
 
     # -- running batches ------------------------------------------------------------------------
 
-    def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> list[Req]:
+    def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> LaunchedStep | None:
         batch = self._prepare(build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool), reqs)
         completes = [req.num_cached + n == len(req.all_ids) for req, n in zip(reqs, chunks)]
         for req, n in zip(reqs, chunks):
@@ -194,32 +221,50 @@ class Scheduler:
         for req in reqs:
             self.prefix_cache.cache_prefilled(req)
         done = [req for req, c in zip(reqs, completes) if c]
-        rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
-        return self._sample_and_advance(done, logits.index_select(0, rows)) if done else []
+        if not done:
+            return None
+        if len(done) < len(reqs):
+            rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
+            logits = logits.index_select(0, rows)
+        return self._sample_on_device(done, logits)
 
-    def _run_decode(self, reqs: list[Req]) -> list[Req]:
+    def _run_decode(self, reqs: list[Req]) -> LaunchedStep:
         if self.spec_worker is not None:
-            return self._advance(reqs, self.spec_worker.decode(reqs))
-        batch = self._prepare(build_decode_batch(reqs, self.kv_pool, self.req_pool), reqs)
+            return LaunchedStep.known_tokens(reqs, self.spec_worker.decode(reqs))
+        batch = build_decode_batch(reqs, self.kv_pool, self.req_pool, self.future)
+        if self.future is not None:
+            batch.input_ids = self.future.resolve(batch.input_ids)
+        self._prepare(batch, reqs)
         for req in reqs:
             req.num_cached += 1
         logits = self.runner.forward(batch).logits
-        return self._sample_and_advance(reqs, logits)
+        return self._sample_on_device(reqs, logits)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Next token and its log-probability for each request, from logits [len(reqs), vocab]."""
-        tokens, logprobs = sample(logits, sampling_batch(reqs, logits.device), self.shared_generator)
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.shared_generator)
         return tokens.tolist(), logprobs.tolist()
 
-    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> list[Req]:
-        tokens, logprobs = self.sample(reqs, logits)
-        return self._advance(reqs, [([t], [lp]) for t, lp in zip(tokens, logprobs)])
+    def _sample_on_device(self, reqs: list[Req], logits: torch.Tensor) -> LaunchedStep:
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.shared_generator)
+        if self.future is not None:
+            self.future.store(reqs, tokens)
+        return LaunchedStep.launch(reqs, tokens, logprobs)
+
+    def finish_step(self, step: LaunchedStep) -> list[Req]:
+        """Read a launched step's tokens (waiting for them) and advance its requests."""
+        return self._advance(step.reqs, step.new_tokens())
 
     def _advance(self, reqs: list[Req], new: list[tuple[list[int], list[float]]]) -> list[Req]:
-        """Append each request's new tokens (one, or several accepted drafts) until it stops."""
+        """Append each request's new tokens (one, or several accepted drafts) until it stops.
+
+        A request that stopped (or was aborted) after this step was launched keeps none of them.
+        """
         finished = []
         now = time.perf_counter()
         for req, (tokens, logprobs) in zip(reqs, new):
+            if req.finished or req.row is None:
+                continue
             if req.first_token_at is None and tokens:
                 req.first_token_at = now
             for token, logprob in zip(tokens, logprobs):
@@ -252,6 +297,16 @@ class Scheduler:
         Requests outside the batch are untouched; without a batch (a failure while scheduling)
         every request is aborted.
         """
+        if self.overlap is not None:
+            try:  # the step before the failed one still holds tokens of requests outside it
+                self._flushed += self.overlap.flush()
+            except Exception:  # noqa: BLE001 - its tokens are lost: nothing can be kept
+                self._flushed = []
+                return self.abort_all(message)
+        kept, self._flushed = self._flushed, []
+        return kept + self._roll_back(message)
+
+    def _roll_back(self, message: str) -> list[Req]:
         batch = [r for r in self.current if any(r is s for s in self.running)]
         self.current = []
         if not batch:
@@ -278,14 +333,3 @@ class Scheduler:
         self.waiting.clear()
         return reqs
 
-
-def sampling_batch(reqs: list[Req], device: torch.device) -> SamplingBatch:
-    params = [r.params for r in reqs]
-    return SamplingBatch(
-        temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
-        top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-        generators=[r.generator for r in reqs],
-        all_greedy=all(p.is_greedy for p in params),
-    )

@@ -1,0 +1,241 @@
+"""Engine decode against a hand-written torch.compile Llama decode loop, same process and shapes.
+
+The peer: a plain-PyTorch Llama (static KV cache, greedy tokens fed back on the device, random bf16
+weights) compiled with torch.compile(mode="reduce-overhead"), decoding at context `--context`.
+The engine: the whole `Engine.generate` loop at a fixed batch with ignore_eos, per step, as the
+difference of two runs of different output lengths (so prefill cancels), with overlap scheduling
+on and off. Also the weight-read floor (weight bytes / --hbm-tb-s) and, with --profile, where one
+bs-1 engine step's time goes (torch.profiler: device kernels against wall time).
+
+  python bench/peer_decode.py --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer --out r.json
+  python bench/peer_decode.py --models tiny-llama --backends torch_native --batch-sizes 1 2 --device cpu --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backplane import Engine, SamplingParams
+from backplane.engine.scheduler import Scheduler
+from backplane.models.presets import get_preset
+
+
+class PeerLlama(torch.nn.Module):
+    """gpt-fast-style Llama decode: x [bs] token ids at position `pos` -> next greedy ids [bs]."""
+
+    def __init__(self, cfg, bs: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.h, self.nh, self.nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(cfg, "head_dim", None) or self.h // self.nh
+        self.eps, inter, n = cfg.rms_norm_eps, cfg.intermediate_size, cfg.num_hidden_layers
+
+        def w(*shape):
+            return torch.nn.Parameter(torch.randn(*shape, dtype=dtype, device=device) * 0.02, requires_grad=False)
+
+        self.embed = w(cfg.vocab_size, self.h)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w(cfg.vocab_size, self.h)
+        q, kv = self.nh * self.hd, self.nkv * self.hd
+        self.qkv = torch.nn.ParameterList([w(q + 2 * kv, self.h) for _ in range(n)])
+        self.o = torch.nn.ParameterList([w(self.h, q) for _ in range(n)])
+        self.gate_up = torch.nn.ParameterList([w(2 * inter, self.h) for _ in range(n)])
+        self.down = torch.nn.ParameterList([w(self.h, inter) for _ in range(n)])
+        self.norms = torch.nn.Parameter(torch.ones(2 * n + 1, self.h, dtype=dtype, device=device), requires_grad=False)
+        # k/v caches: [layers, bs, kv_heads, max_len, head_dim], filled with random "prefill" keys
+        shape = (n, bs, self.nkv, max_len, self.hd)
+        self.register_buffer("k_cache", torch.randn(shape, dtype=dtype, device=device) * 0.1, persistent=False)
+        self.register_buffer("v_cache", torch.randn(shape, dtype=dtype, device=device) * 0.1, persistent=False)
+        inv = 1.0 / (getattr(cfg, "rope_theta", 10000.0) ** (torch.arange(0, self.hd, 2, device=device).float() / self.hd))
+        freqs = torch.outer(torch.arange(max_len, device=device).float(), inv)
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        self.register_buffer("arange", torch.arange(max_len, device=device), persistent=False)
+
+    def rms(self, x, i):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.norms[i]
+
+    def rope(self, x, pos):  # x: [bs, heads, 1, hd]; rotate-half layout
+        cos, sin = self.cos[pos].view(1, 1, 1, -1), self.sin[pos].view(1, 1, 1, -1)
+        x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bs = ids.shape[0]
+        x = self.embed[ids]  # [bs, h]
+        mask = (self.arange <= pos).view(1, 1, 1, -1)
+        for i in range(len(self.qkv)):
+            q, k, v = (self.rms(x, 2 * i) @ self.qkv[i].t()).split(
+                [self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+            q = self.rope(q.view(bs, self.nh, 1, self.hd), pos)
+            k = self.rope(k.view(bs, self.nkv, 1, self.hd), pos)
+            self.k_cache[i].index_copy_(2, pos.view(1), k)
+            self.v_cache[i].index_copy_(2, pos.view(1), v.view(bs, self.nkv, 1, self.hd))
+            att = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask,
+                                                 enable_gqa=self.nh != self.nkv)
+            x = x + att.reshape(bs, -1) @ self.o[i].t()
+            gate, up = (self.rms(x, 2 * i + 1) @ self.gate_up[i].t()).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ self.down[i].t()
+        return (self.rms(x, -1) @ self.lm_head.t()).argmax(dim=-1)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peer_step_ms(cfg, bs: int, context: int, steps: int, device, compile_: bool) -> float:
+    model = PeerLlama(cfg, bs, context + steps + 8, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True) if compile_ else model
+    ids = torch.zeros(bs, dtype=torch.long, device=device)
+    pos = torch.tensor(context, device=device)
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up and capture
+            ids = step(ids, pos).clone()
+        sync(device)
+        start = time.perf_counter()
+        for i in range(steps):
+            pos.fill_(context + i)  # NOTE: an in-place device write, no host sync
+            ids = step(ids, pos).clone()
+        sync(device)
+    ms = (time.perf_counter() - start) * 1e3 / steps
+    del model, step
+    return ms
+
+
+def set_overlap(engine: Engine, on: bool) -> None:
+    """A fresh scheduler on the same runner (the engine's other settings kept)."""
+    s = engine.scheduler
+    engine.scheduler = Scheduler(s.runner, s.max_running, s.chunk_size, s.eos_token_ids, s.detokenize,
+                                 participants=s.participants, overlap=on)
+
+
+def engine_step_ms(engine: Engine, bs: int, context: int, steps: int) -> float:
+    prompts = [[(7 * r + i) % 1000 + 3 for i in range(context)] for r in range(bs)]
+
+    def run(n):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        sync(engine.runner.device)
+        t = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        sync(engine.runner.device)
+        assert all(len(o.token_ids) == n for o in outs), [o.error for o in outs]
+        return time.perf_counter() - t
+
+    run(4)  # warm-up
+    short, long = run(4), run(4 + steps)
+    return (long - short) * 1e3 / steps
+
+
+def weight_floor_ms(engine: Engine, tb_s: float) -> float:
+    """Bytes every decode step must read (all weights but the embedding table, unless tied) / bandwidth."""
+    model = engine.runner.model
+    embed = next((m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    params = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    tied = bool(getattr(engine.runner.hf_config, "tie_word_embeddings", False))
+    if embed is not None and not tied:
+        total -= embed.numel() * embed.element_size()
+    return total / (tb_s * 1e12) * 1e3
+
+
+def profile_step(engine: Engine, context: int, steps: int = 8) -> dict:
+    """One bs-1 engine step: wall time, device kernel time, and the top kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [[i % 1000 + 3 for i in range(context)]]
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
+    engine.generate(input_ids=prompts, sampling_params=params)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params=params)
+        sync(engine.runner.device)
+        wall = time.perf_counter() - t
+    events = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
+              and str(e.device_type).endswith("CUDA")]
+    device_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in events)
+    top = sorted(events, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0))[:6]
+    per = steps + 1  # prefill included: reported per generated token
+    return {"wall_ms_per_token": wall * 1e3 / per, "kernel_ms_per_token": device_us / 1e3 / per,
+            "host_or_idle_ms_per_token": wall * 1e3 / per - device_us / 1e3 / per,
+            "top_kernels": [(e.key[:60], (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / per) for e in top]}
+
+
+PEER_MS: dict[tuple[str, int], float] = {}  # (model, bs) -> peer step ms, shared by the backends
+
+
+def measure_model(ns, model: str, backend: str) -> list[dict]:
+    device = torch.device(ns.device)
+    engine = Engine(model, device=ns.device, attention_backend=backend, max_running_requests=max(ns.batch_sizes),
+                    max_total_tokens=max(ns.batch_sizes) * (ns.context + ns.steps + 64),
+                    cuda_graph_bs=ns.batch_sizes, chunked_prefill_size=max(8192, ns.context))
+    cfg, floor = engine.runner.hf_config, weight_floor_ms(engine, ns.hbm_tb_s)
+    rows = []
+    for bs in ns.batch_sizes:
+        row = {"model": model, "backend": backend, "batch_size": bs, "floor_ms": floor}
+        for on in (True, False):
+            set_overlap(engine, on)
+            row["engine_ms" if on else "engine_no_overlap_ms"] = engine_step_ms(engine, bs, ns.context, ns.steps)
+        row["profile_bs1"] = profile_step(engine, ns.context) if ns.profile and bs == 1 else None
+        set_overlap(engine, True)
+        rows.append(row)
+    engine.shutdown()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    for row in rows:  # the peer after the engine is gone: both never hold memory at once
+        key = (model, row["batch_size"])
+        if key not in PEER_MS:
+            PEER_MS[key] = peer_step_ms(cfg, row["batch_size"], ns.context, ns.steps, device, not ns.no_compile)
+        row["peer_ms"] = PEER_MS[key]
+        row["ratio"] = row["engine_ms"] / row["peer_ms"]
+        row["overlap_speedup"] = row["engine_no_overlap_ms"] / row["engine_ms"]
+        gc.collect()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'model':<14} {'backend':<12} {'bs':>3} {'peer ms':>8} {'engine ms':>9} {'ratio':>6} "
+             f"{'no-overlap':>10} {'overlap x':>9} {'floor ms':>8}"]
+    for r in rows:
+        lines.append(f"{r['model']:<14} {r['backend']:<12} {r['batch_size']:>3} {r['peer_ms']:>8.3f} "
+                     f"{r['engine_ms']:>9.3f} {r['ratio']:>6.2f} {r['engine_no_overlap_ms']:>10.3f} "
+                     f"{r['overlap_speedup']:>9.2f} {r['floor_ms']:>8.3f}")
+    for r in rows:
+        p = r.get("profile_bs1")
+        if p:
+            lines.append(f"{r['model']} {r['backend']} bs 1 per token: wall {p['wall_ms_per_token']:.3f} ms, kernels "
+                         f"{p['kernel_ms_per_token']:.3f} ms, host/idle {p['host_or_idle_ms_per_token']:.3f} ms; top: "
+                         + ", ".join(f"{k} {ms:.3f}" for k, ms in p["top_kernels"][:3]))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
+    p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--hbm-tb-s", type=float, default=4.3, help="memory bandwidth for the weight-read floor")
+    p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
+    p.add_argument("--profile", action="store_true", help="profile one bs-1 engine step per model/backend")
+    p.add_argument("--out")
+    ns = p.parse_args()
+    get_preset(ns.models[0])  # fail fast on a misspelt preset
+    rows = [r for m in ns.models for b in ns.backends for r in measure_model(ns, m, b)]
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(rows, f, indent=2)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

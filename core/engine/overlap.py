@@ -1,0 +1,120 @@
+"""Overlap scheduling: the host builds step N+1 while the device runs step N.
+
+Sampled tokens stay on the device. A request whose last token is still in flight gets a negative
+placeholder as its next input id (`FutureTokens`); the device resolves it from the future buffer
+just before the forward, so no step waits for the previous one's tokens on the host. Each step
+makes one device-to-host copy (tokens and log-probabilities packed together, into pinned memory
+behind an event), which the host reads only after the next step is launched. Stop checks
+therefore lag by one step: a request that stopped at step N may have run in step N+1; that token
+is discarded and its KV slot is freed with the request's others. On CPU the same code runs with
+synchronous copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from backplane.engine.request import Req
+    from backplane.engine.scheduler import Scheduler
+
+
+class FutureTokens:
+    """A ring of device slots for sampled tokens not yet read on the host.
+
+    Placeholder -k (k >= 1) names slot k. A placeholder is only read by the step launched right
+    after the one that wrote it, so a ring of a few batches' worth of slots never wraps onto a live
+    one. tokens: [capacity + 1] int64 on `device` (slot 0 unused).
+    """
+
+    def __init__(self, max_tokens_per_step: int, device: torch.device):
+        self.capacity = 4 * max(max_tokens_per_step, 1)
+        self.tokens = torch.zeros(self.capacity + 1, dtype=torch.int64, device=device)
+        self._next = 1
+        self._latest: dict[int, int] = {}  # request id -> placeholder of its newest in-flight token
+
+    def store(self, reqs: list[Req], tokens: torch.Tensor) -> None:
+        """Keep `tokens` [len(reqs)] on the device and hand each request a placeholder for its token."""
+        n = len(reqs)
+        if self._next + n > self.capacity + 1:
+            self._next = 1
+        start = self._next
+        self.tokens[start:start + n].copy_(tokens)
+        for i, req in enumerate(reqs):
+            self._latest[req.rid] = -(start + i)
+        self._next += n
+
+    def placeholder(self, req: Req) -> int:
+        return self._latest[req.rid]
+
+    def forget(self, req: Req) -> None:
+        self._latest.pop(req.rid, None)
+
+    def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [n] int64 on the device, placeholders replaced by their tokens (a device op)."""
+        return torch.where(input_ids < 0, self.tokens[(-input_ids).clamp_min(0)], input_ids)
+
+
+@dataclass
+class LaunchedStep:
+    """One step whose sampled tokens are on their way to the host.
+
+    reqs: the requests that sampled a token, in order; packed: [2, len(reqs)] float64 on the host
+    (row 0 token ids, row 1 log-probabilities), valid once `event` has completed (None on CPU).
+    """
+
+    reqs: list[Req]
+    packed: torch.Tensor | None
+    event: torch.cuda.Event | None = None
+    known: list[tuple[list[int], list[float]]] | None = None  # tokens already on the host
+
+    @classmethod
+    def known_tokens(cls, reqs: list[Req], new: list[tuple[list[int], list[float]]]) -> LaunchedStep:
+        """A step whose tokens (several per request under speculation) were read synchronously."""
+        return cls(reqs, None, known=new)
+
+    @classmethod
+    def launch(cls, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
+        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        if packed.device.type != "cuda":
+            return cls(reqs, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(reqs, host, event)
+
+    def new_tokens(self) -> list[tuple[list[int], list[float]]]:
+        """Wait for the copy; per request its new token ids and their log-probabilities."""
+        if self.known is not None:
+            return self.known
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, logprobs = self.packed.tolist()
+        return [([int(t)], [lp]) for t, lp in zip(tokens, logprobs)]
+
+
+class OverlapLoop:
+    """Drives a Scheduler one step ahead: launch step N+1, then finish step N."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.pending: LaunchedStep | None = None
+
+    @property
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    def step(self) -> list[Req]:
+        launched = self.scheduler.launch_step()
+        finished = self.flush()
+        self.pending = launched
+        return finished
+
+    def flush(self) -> list[Req]:
+        """Finish the step in flight, if any (the host state is exact afterwards)."""
+        pending, self.pending = self.pending, None
+        return self.scheduler.finish_step(pending) if pending is not None else []
