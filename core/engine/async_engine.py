@@ -141,6 +141,10 @@ class AsyncEngine:
         """Abort a request: its KV slots and row are freed before the next step; its stream ends."""
         self._inbox.put(("abort", rid, message))
 
+    def abort_all(self, message: str) -> None:
+        """Abort every request in flight (thread-safe); the engine keeps serving new ones."""
+        self._inbox.put(("abort_all", message))
+
     def _close_stream(self, stream: RequestStream) -> None:
         if self._thread.is_alive():
             self.abort(stream.rid)
@@ -191,6 +195,8 @@ class AsyncEngine:
                 self._admit(item[1], item[2])
             elif item[0] == "abort":
                 self._abort(item[1], item[2])
+            elif item[0] == "abort_all":
+                self._abort_tracked(item[1])
             else:
                 self._stop(item[1])
                 return False
@@ -207,6 +213,9 @@ class AsyncEngine:
 
     def _stop(self, message: str) -> None:
         self.dead = message
+        self._abort_tracked(message)
+
+    def _abort_tracked(self, message: str) -> None:
         for tracked in self._tracked.values():
             if not tracked.req.finished:
                 self.scheduler.abort(tracked.req, message)

@@ -27,9 +27,9 @@ class Delta:
 class StreamChunk:
     """New output of one request since the previous chunk; the last chunk has finish_reason set.
 
-    finish_reason: "stop", "length" or "abort" (then `error` says why). time: time.perf_counter()
-    when the engine produced the newest token of the chunk. Several engine steps may be merged
-    into one chunk when the consumer is slower than the engine.
+    finish_reason: "stop", "length" or "abort" (then `error` says why). Several engine steps are
+    merged into one chunk when the consumer is slower than the engine; token_times holds, per
+    token, the time.perf_counter() of the step that produced it, and `time` that of the newest step.
     """
 
     token_ids: list[int]
@@ -40,6 +40,7 @@ class StreamChunk:
     num_prompt_tokens: int
     num_output_tokens: int  # so far, this chunk included
     time: float
+    token_times: list[float]
 
     @property
     def finished(self) -> bool:
@@ -92,7 +93,8 @@ class RequestStream:
         self.finish_reason = last.finish_reason
         text = self._text.update(self.token_ids, finished=self.finished, final_text=last.final_text)
         return StreamChunk(new_ids, [lp for d in deltas for lp in d.logprobs], text, last.finish_reason,
-                           last.error, self.num_prompt_tokens, last.num_output_tokens, last.time)
+                           last.error, self.num_prompt_tokens, last.num_output_tokens, last.time,
+                           [d.time for d in deltas for _ in d.token_ids])
 
     def close(self) -> None:
         """Abort the request if it is still running (its KV is freed before the next step).

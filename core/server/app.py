@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from backplane.server.chat import ChatTemplate
 from backplane.server.errors import ApiError, bad_request, error_body
-from backplane.server.generation import collect, event_stream, submit
+from backplane.server.generation import SHUTDOWN_MESSAGE, collect, event_stream, submit
 from backplane.server.metrics import ServerMetrics
 from backplane.server.openai_format import ChatFormatter, CompletionFormatter
 from backplane.server.protocol import ChatRequest, CompletionRequest, chat_messages, parse, sampling_params
@@ -57,7 +57,7 @@ class ServerState:
     def accept(self, request: Any) -> None:
         self.authorize(request)
         if self.draining:
-            raise ApiError(503, "the server is shutting down", headers={"Retry-After": "1"})
+            raise ApiError(503, SHUTDOWN_MESSAGE, headers={"Retry-After": "1"})
 
     async def read_json(self, request: Any) -> Any:
         limit = self.args.max_request_bytes

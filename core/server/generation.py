@@ -18,6 +18,11 @@ from backplane.server.errors import ApiError, error_body
 from backplane.server.openai_format import Choice, Formatter
 
 RETRY_AFTER_S = "1"
+SHUTDOWN_MESSAGE = "the server is shutting down"  # the abort reason of requests cut by SIGTERM
+
+
+def _failure_status(error: str | None) -> int:
+    return 503 if error == SHUTDOWN_MESSAGE else 500
 
 
 @dataclass
@@ -89,8 +94,10 @@ async def abort_on_disconnect(request: Any, gen: Generation):
 
 
 def close(gen: Generation) -> None:
-    for stream in gen.streams:
-        stream.close()
+    for stream, timer in zip(gen.streams, gen.timers):
+        if not stream.finished:
+            stream.close()
+            timer.on_abandoned()
 
 
 async def collect(request: Any, gen: Generation) -> dict[str, Any]:
@@ -101,7 +108,7 @@ async def collect(request: Any, gen: Generation) -> dict[str, Any]:
             gen.timers[i].on_chunk(chunk)
     failed = next((c for c in gen.choices if c.finish_reason == "abort"), None)
     if failed is not None:
-        raise ApiError(500, failed.error or "request aborted")
+        raise ApiError(_failure_status(failed.error), failed.error or "request aborted")
     return gen.formatter.response(gen.choices, gen.n)
 
 
@@ -114,7 +121,7 @@ async def event_stream(request: Any, gen: Generation) -> AsyncIterator[bytes]:
             choice.add(chunk)
             gen.timers[i].on_chunk(chunk)
             if chunk.finish_reason == "abort":
-                yield _sse(error_body(500, chunk.error or "request aborted"))
+                yield _sse(error_body(_failure_status(chunk.error), chunk.error or "request aborted"))
                 break
             if chunk.text or chunk.token_ids or chunk.finish_reason or not started[i]:
                 yield _sse(gen.formatter.chunk(choice, chunk, first=not started[i]))

@@ -49,23 +49,30 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Observes one request's chunks: TTFT at the first token, the gap per token after, E2E at the end."""
+    """Observes one request's chunks: TTFT at the first token, the gap before each later one, E2E at the end."""
 
     def __init__(self, metrics: ServerMetrics, created_at: float):
         self.metrics, self.created_at = metrics, created_at
         self.last: float | None = None  # when the previous token came
+        self.done = False
 
     def on_chunk(self, chunk: Any) -> None:
-        m, n = self.metrics, len(chunk.token_ids)
-        if n:
-            m.generation_tokens.inc(n)
+        m = self.metrics
+        if chunk.token_ids:
+            m.generation_tokens.inc(len(chunk.token_ids))
+        for t in chunk.token_times:
             if self.last is None:
-                m.ttft.observe(chunk.time - self.created_at)
+                m.ttft.observe(t - self.created_at)
             else:
-                gap = (chunk.time - self.last) / n  # a chunk of several tokens: the gap is shared
-                for _ in range(n):
-                    m.itl.observe(gap)
-            self.last = chunk.time
-        if chunk.finish_reason is not None:
+                m.itl.observe(t - self.last)  # 0 between the tokens of one speculative step
+            self.last = t
+        if chunk.finish_reason is not None and not self.done:
+            self.done = True
             m.finished.labels(chunk.finish_reason).inc()
             m.e2e.observe(chunk.time - self.created_at)
+
+    def on_abandoned(self) -> None:
+        """The client left before the end: the request counts as aborted (once)."""
+        if not self.done:
+            self.done = True
+            self.metrics.finished.labels("abort").inc()
