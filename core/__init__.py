@@ -22,6 +22,7 @@ from backplane.settings import ServerArgs
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AsyncEngine": "backplane.engine",
     "Engine": "backplane.engine",
     "SamplingParams": "backplane.engine",
     "ForwardBatch": "backplane.executor.batch",

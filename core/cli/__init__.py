@@ -1,4 +1,4 @@
-"""The `backplane` command: `plugins`, `generate`, `bench`, built from the same settings model."""
+"""The `backplane` command: `plugins`, `generate`, `bench`, `serve`, built from the same settings model."""
 
 from backplane.cli.main import main, parse_server_args
 

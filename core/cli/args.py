@@ -19,9 +19,9 @@ GROUP_SEP = "."
 
 
 def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], group: str | None = None,
-                    skip: tuple[str, ...] = ("plugin_options",)) -> None:
+                    skip: tuple[str, ...] = ("plugin_options",), title: str | None = None) -> None:
     """Add one flag per field of `model`; values stay strings/lists for pydantic to validate."""
-    section = parser.add_argument_group(f"{group} (plugin options)" if group else "server arguments")
+    section = parser.add_argument_group(title or (f"{group} (plugin options)" if group else "server arguments"))
     for name, info in model.model_fields.items():
         if name in skip:
             continue

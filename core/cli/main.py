@@ -1,4 +1,4 @@
-"""The `backplane` command: `plugins`, `generate` and `bench`, all built from ServerArgs."""
+"""The `backplane` command: `plugins`, `generate`, `bench` and `serve`, all built from ServerArgs."""
 
 from __future__ import annotations
 
@@ -46,16 +46,18 @@ def build_parser(plugin_set: PluginSet) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="backplane", description="An LLM model executor whose every backend is a plugin."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{plugins,generate,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{plugins,generate,bench,serve}")
     plugins = sub.add_parser("plugins", help="list plugins, what they registered and what is usable here")
     plugins.add_argument("--json", action="store_true", help="print one JSON document")
     plugins.add_argument("--strict-plugins", action="store_true", help="a plugin that fails to load is fatal")
     plugins.set_defaults(handler=_cmd_plugins)
     from backplane.cli.commands import bench_command, generate_command
+    from backplane.cli.serve import serve_command
 
     for name, help_text, command in (
         ("generate", "generate text or token ids with a model or preset", generate_command),
         ("bench", "one-batch prefill/decode latency, eager vs CUDA graph", bench_command),
+        ("serve", "an OpenAI-compatible HTTP server (needs the serve extra)", serve_command),
     ):
         p = sub.add_parser(name, help=help_text)
         command.add_arguments(p)

@@ -1,7 +1,8 @@
-"""The offline engine: Engine, SamplingParams and the continuous-batching scheduler."""
+"""The engines: Engine (blocking), AsyncEngine (streaming), SamplingParams, the continuous-batching scheduler."""
 
+from backplane.engine.async_engine import AsyncEngine, RequestStream, StreamChunk
 from backplane.engine.engine import Engine
 from backplane.engine.request import RequestOutput
 from backplane.engine.sampling_params import SamplingParams
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "Engine", "RequestStream", "StreamChunk", "RequestOutput", "SamplingParams"]

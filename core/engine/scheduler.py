@@ -80,6 +80,10 @@ class Scheduler:
             req.generator = torch.Generator(self.runner.device).manual_seed(req.params.seed)
         self.waiting.append(req)
 
+    def refusal(self, req: Req) -> str | None:
+        """Why `req` can never run here (empty, too long, outside the vocabulary), or None."""
+        return self._never_fits(req)
+
     def _never_fits(self, req: Req) -> str | None:
         n, m = len(req.prompt_ids), req.params.max_new_tokens
         if n == 0:

@@ -62,7 +62,7 @@ def bad_dirs(tmp_path_factory) -> dict[str, str]:
 # (id, argv (with {name} filled from bad_dirs), env vars, fragment of the one stderr line)
 CLI_ROWS = [
     # CLI flags
-    ("R01", ["frobnicate"], {}, "invalid choice: 'frobnicate' (choose from 'plugins', 'generate', 'bench')"),
+    ("R01", ["frobnicate"], {}, "invalid choice: 'frobnicate' (choose from 'plugins', 'generate', 'bench', 'serve')"),
     ("R02", ["generate", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     ("R03", ["generate", "--device", "tpu"], {}, "--device (env BACKPLANE_DEVICE): invalid value 'tpu': "
                                                  "Input should be 'auto', 'cpu' or 'cuda'"),

@@ -1,0 +1,52 @@
+"""IncrementalText: the text of a growing list of token ids, released in pieces that never change.
+
+Decoding the whole output after every step costs O(length) per step, and a piece cut in the
+middle of a multi-byte character or a stop string would have to be taken back. This decodes
+only a short window of recent tokens (the offsets trick of Hugging Face's TextStreamer), waits
+while the window ends in an incomplete character, and holds back the last `holdback` characters
+(the longest stop string minus one) until the request finishes, so everything released is a
+prefix of the final text.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+REPLACEMENT = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
+
+
+class IncrementalText:
+    def __init__(self, decode: Callable[[list[int]], str], holdback: int = 0):
+        self.decode = decode
+        self.holdback = holdback
+        self.prefix = 0  # ids[prefix:read] decode to text already in `pending` or released
+        self.read = 0
+        self.pending = ""  # decoded but held back
+        self.released = 0  # characters handed out so far
+
+    def update(self, ids: list[int], finished: bool = False, final_text: str | None = None) -> str:
+        """The new text after `ids` (the whole output so far); on the last call pass finished=True.
+
+        final_text: the request's text when the engine cut it at a stop string; the remainder of
+        it is released and nothing after it.
+        """
+        if final_text is not None:
+            delta = final_text[self.released:]
+            self.released = len(final_text)
+            return delta
+        self.pending += self._new_text(ids, finished)
+        keep = 0 if finished else self.holdback
+        out = self.pending[: max(len(self.pending) - keep, 0)]
+        self.pending = self.pending[len(out):]
+        self.released += len(out)
+        return out
+
+    def _new_text(self, ids: list[int], finished: bool) -> str:
+        if len(ids) == self.read:
+            return ""
+        before = self.decode(ids[self.prefix:self.read])
+        after = self.decode(ids[self.prefix:])
+        if not finished and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
+            return ""  # no visible text yet, or a character whose bytes are still coming
+        self.prefix, self.read = self.read, len(ids)
+        return after[len(before):]

@@ -1,0 +1,61 @@
+"""run_server: build the engine, then serve the app with uvicorn until SIGINT/SIGTERM.
+
+On SIGTERM (or Ctrl-C) new generation requests get 503 and requests in flight may finish for
+--shutdown-timeout seconds; then the engine aborts them (their streams end with an error event
+and `data: [DONE]`, whole requests get 503), uvicorn closes the connections, and the engine thread
+stops: the process exits 0 with nothing left running. Import this module only after
+`check_serve_dependencies()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import uvicorn
+
+from backplane.engine import AsyncEngine, Engine
+from backplane.server.app import build_app
+from backplane.server.generation import SHUTDOWN_MESSAGE
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that marks the app as draining as soon as a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: Any, drain_s: float):
+        super().__init__(config)
+        self.app_state = state
+        self.drain_s = drain_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.app_state.draining:
+            self.app_state.draining = True
+            engine = self.app_state.engine
+            timer = threading.Timer(self.drain_s, engine.abort_all, [SHUTDOWN_MESSAGE])
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+        # NOTE: uvicorn re-raises a captured signal after its graceful shutdown, so the process
+        # would die by SIGTERM with no exit code of ours; a drained shutdown is a clean exit (0).
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
+def run_server(server_args: Any, serve_args: Any, plugin_set: Any) -> int:
+    engine = AsyncEngine(engine=Engine(server_args=server_args, plugin_set=plugin_set),
+                         max_queued_requests=serve_args.max_queued_requests)
+    try:
+        app = build_app(engine, serve_args)
+    except ValueError:  # a bad --chat-template
+        engine.shutdown()
+        raise
+    # uvicorn's own limit is a backstop only: the engine aborts what is left after shutdown_timeout.
+    config = uvicorn.Config(app, host=serve_args.host, port=serve_args.port, log_level=server_args.log_level,
+                            timeout_graceful_shutdown=serve_args.shutdown_timeout + 10, access_log=False)
+    state = app.state.server
+    print(f"backplane serve: model {state.model_name} on http://{serve_args.host}:{serve_args.port} "
+          "(OpenAI API under /v1)", flush=True)
+    DrainingServer(config, state, serve_args.shutdown_timeout).run()
+    engine.shutdown()
+    return 0

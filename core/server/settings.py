@@ -1,0 +1,31 @@
+"""ServeArgs: the flags of `backplane serve` beyond ServerArgs (host, port, auth, limits, chat template).
+
+Like ServerArgs, each field is a flag (`--max-queued-requests`) and a BACKPLANE_* env var
+(`BACKPLANE_API_KEY`); the command line wins. No web framework is imported here, so
+`backplane --help` works without the `serve` extra.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from backplane.settings import ENV_PREFIX
+
+
+class ServeArgs(BaseSettings):
+    """Options of the HTTP server; the model, backends and plugin groups stay in ServerArgs."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1/*")
+    served_model_name: str | None = Field(None, description="the model id in /v1/models (default: --model)")
+    chat_template: str | None = Field(
+        None, description="Jinja chat template, a file or inline (default: the tokenizer's)")
+    max_queued_requests: int | None = Field(
+        None, ge=0, description="requests that may wait for a slot; past it, 503 with Retry-After")
+    max_request_bytes: int = Field(1 << 20, ge=1, description="largest request body; larger gets 413")
+    shutdown_timeout: float = Field(
+        5.0, ge=0, description="seconds in-flight requests may finish after SIGTERM before they are aborted")

@@ -1,0 +1,138 @@
+"""AsyncEngine: streams equal Engine.generate, abort frees the KV pool at once, a failing forward
+fails only its request, the queue cap refuses, and IncrementalText releases only final text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backplane import AsyncEngine, AttentionBackendSpec, Engine, SamplingParams
+from backplane.attention import TorchNativeAttnBackend
+from backplane.engine.async_engine import QueueFullError, RequestRejected
+from backplane.engine.detokenize import IncrementalText
+from backplane.models.byte_tokenizer import ByteTokenizer
+from backplane.plugin.hookspecs import hookimpl
+
+TINY = dict(device="cpu", attention_backend="torch_native", max_total_tokens=4096)
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 72, 101, 108], [1, 200, 3, 9, 44, 250], [1, 5]]
+POISON = 497
+
+
+class FailingBackend(TorchNativeAttnBackend):
+    def forward_extend(self, q, k, v, layer, batch):
+        if bool((batch.input_ids == POISON).any()):
+            raise RuntimeError(f"poisoned batch: token {POISON}")
+        return super().forward_extend(q, k, v, layer, batch)
+
+
+class FailingPlugin:
+    @hookimpl
+    def backplane_register_attention_backends(self, register):
+        register(AttentionBackendSpec(name="failing", factory=FailingBackend, description="fails on a token",
+                                      platforms=("cpu",), dtypes=("float32",), priority=-1))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = AsyncEngine("tiny-llama", max_queued_requests=8, **TINY)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Engine("tiny-llama", **TINY).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+
+
+async def _drain(stream):
+    chunks = [c async for c in stream]
+    return chunks, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
+
+
+def test_streams_equal_generate(engine, reference):
+    async def run():
+        streams = [engine.add_request(p, GREEDY) for p in PROMPTS]
+        return await asyncio.gather(*map(_drain, streams))
+
+    for (chunks, ids, text), ref in zip(asyncio.run(run()), reference):
+        assert ids == ref.token_ids and text == ref.text
+        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+        assert chunks[-1].num_output_tokens == 10
+    assert engine.kv_usage[0] == 0 and engine.num_running == 0 and engine.num_waiting == 0
+
+
+def test_abort_frees_the_kv_pool_before_the_next_step(engine):
+    async def run():
+        stream = engine.add_request([1, 50, 60], SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True))
+        first = await stream.__anext__()
+        used_while_running = engine.kv_usage[0]
+        engine.abort(stream.rid)
+        rest = [c async for c in stream]
+        return first, used_while_running, rest
+
+    first, used, rest = asyncio.run(run())
+    assert used >= 3 and rest[-1].finish_reason == "abort" and "aborted" in rest[-1].error
+    assert first.num_output_tokens + sum(len(c.token_ids) for c in rest) < 1000
+    assert engine.kv_usage[0] == 0 and engine.num_running == 0  # freed when the abort chunk was sent
+
+
+def test_closing_a_stream_aborts_it(engine):
+    async def run():
+        stream = engine.add_request([1, 7], SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True))
+        await stream.__anext__()
+        await stream.aclose()
+        while not stream.finished:
+            await stream.__anext__()
+        return stream
+
+    assert asyncio.run(run()).finish_reason == "abort"
+    assert engine.kv_usage[0] == 0
+
+
+def test_rejections_are_synchronous(engine):
+    async def run():
+        with pytest.raises(RequestRejected, match="exceeds the context length 2048"):
+            engine.add_request([1] * 2040, SamplingParams(max_new_tokens=20))
+        with pytest.raises(RequestRejected, match="unknown LoRA adapter 'nope'"):
+            engine.add_request([1, 2], GREEDY, lora="nope")
+        with pytest.raises(QueueFullError, match="the limit is 8"):
+            engine.add_requests([[1, 2]] * 9, [GREEDY] * 9)
+
+    asyncio.run(run())
+    assert engine.num_waiting == 0
+
+
+def test_a_failing_forward_fails_only_its_request(reference):
+    engine = AsyncEngine("tiny-llama", plugins=[FailingPlugin()], **{**TINY, "attention_backend": "failing"})
+    try:
+        async def run():
+            streams = [engine.add_request(p, GREEDY) for p in [PROMPTS[0], [1, POISON, 8], PROMPTS[1]]]
+            return await asyncio.gather(*map(_drain, streams))
+
+        (_, ids0, _), (bad, _, _), (_, ids2, _) = asyncio.run(run())
+        assert bad[-1].finish_reason == "abort" and f"poisoned batch: token {POISON}" in bad[-1].error
+        assert ids0 == reference[0].token_ids and ids2 == reference[1].token_ids
+        assert engine.kv_usage[0] == 0 and engine.dead is None
+    finally:
+        engine.shutdown()
+
+
+def test_incremental_text_waits_for_whole_characters():
+    tok = ByteTokenizer()
+    text = "héllo wörld ✓!"
+    ids = tok.encode(text, add_special_tokens=False)
+    inc, pieces = IncrementalText(tok.decode), []
+    for i in range(1, len(ids) + 1):
+        pieces.append(inc.update(ids[:i], finished=i == len(ids)))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert pieces[:3] == ["h", "", "é"]  # é is two bytes: nothing until both came
+
+
+def test_incremental_text_holds_back_a_possible_stop_string():
+    tok = ByteTokenizer()
+    ids = tok.encode("abcdef", add_special_tokens=False)
+    inc = IncrementalText(tok.decode, holdback=2)
+    assert inc.update(ids[:4]) == "ab"  # "cd" might start a 3-character stop string
+    assert inc.update(ids[:5], final_text="abc") == "c"  # the engine cut the text at the stop
