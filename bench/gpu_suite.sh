@@ -7,6 +7,9 @@
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
 #   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
+#   bench/gpu_suite.sh lora-fused the LoRA GPU tests (conformance with the fused decode kernel in graphs,
+#                                 hidden states against the PEFT-merged models), then bench/lora_decode.py
+#                                 (issue 23: steps at bs 1/8/32, ranks 16/64, kernels against the floor)
 #   bench/gpu_suite.sh spec       the EAGLE and attention-graph GPU tests (triton and flashinfer side by
 #                                 side), the draft pool test, then bench/spec.py with its phase timing
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
@@ -107,9 +110,14 @@ case "$what" in
     step spec 220 python3 bench/spec.py --backend triton --phases --token-map 32768 --out "$out/spec.json" ;;
   lora-kernels)
     step lora_kernels 150 python3 bench/lora_kernels.py --out "$out/lora_kernels.json" ;;
+  lora-fused)
+    timeout -s INT 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py \
+      tests/gpu/test_lora_triton_gpu.py > "$out/lora-fused-tests.log" 2>&1
+    test_summary lora-fused-tests $?
+    TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, lora-kernels, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

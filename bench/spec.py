@@ -27,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -101,8 +102,8 @@ def verify_vs_decode(engine: Engine, batch_sizes: list[int], vocab: int, context
         positions = (torch.tensor([r.num_cached for r in reqs])[:, None] + tree.depths).view(-1)
         verify_batch = build_verify_batch(reqs, tree.tokens.view(-1).tolist(), positions.tolist(), slots, NUM_DRAFT,
                                           mask, indptr, runner.req_to_token_pool, runner.token_to_kv_pool)
-        d = median_ms(lambda: runner.forward(decode_batch), runner.device.type)
-        v = median_ms(lambda: runner.forward(verify_batch), runner.device.type)
+        d = median_ms(partial(runner.forward, decode_batch), runner.device.type)
+        v = median_ms(partial(runner.forward, verify_batch), runner.device.type)
         graphs = runner.graph_runner
         rows.append({"batch_size": bs, "decode_ms": d, "verify_ms": v, "ratio": v / d,
                      "decode_graph": graphs is not None and graphs.key_for(decode_batch) is not None,
@@ -284,7 +285,7 @@ def fixed_point(engine: Engine, prompt: list[int], oracle: list[int], new_tokens
     def fresh_stats():
         worker.stats = type(worker.stats)()
 
-    for rounds in range(1, 6):
+    for rounds in range(1, 6):  # noqa: B007 - the count of rounds is reported after the loop
         tps, ids = tokens_per_s(engine, prompt, new_tokens, on_start=fresh_stats)
         if ids + pad == current[0]:
             break
@@ -383,10 +384,18 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu",
         "verify_vs_decode": verify_rows, "batch1": batch1, "draft_graph_memory": pools, "kernel_profile": profiles,
     }
+    print_report(report)
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(report, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def print_report(report: dict) -> None:
+    """The short table of one run: verify against decode, then the batch-1 speed-ups and graph memory."""
     print(f"{'bs':>3} {'decode ms':>10} {'verify(8) ms':>13} {'ratio':>6}")
-    for r in verify_rows:
+    for r in report["verify_vs_decode"]:
         print(f"{r['batch_size']:>3} {r['decode_ms']:>10.3f} {r['verify_ms']:>13.3f} {r['ratio']:>6.2f}")
-    b = batch1
+    b = report["batch1"]
     if "forced_tok_s" in b:
         print(f"batch 1, forced full acceptance: plain {b['plain_tok_s']:.0f} tok/s, eagle {b['forced_tok_s']:.0f} tok/s "
               f"= {b['forced_speedup']:.2f}x, acceptance length {b['forced_acceptance_length']:.2f}")
@@ -400,12 +409,10 @@ def main() -> None:
         print(f"batch 1, target's own continuation, token map of {t['size']} ids: eagle "
               f"{t['eagle_full_acceptance_tok_s']:.0f} tok/s = {t['speedup']:.2f}x, acceptance length "
               f"{t['acceptance_length']:.2f}")
+    pools = report["draft_graph_memory"]
     if pools:
         print(f"graph pool: target {pools['target_graphs_mb']:.1f} MB; draft graphs added {pools['draft_shared_mb']:.1f} MB "
               f"to it, {pools['draft_alone_mb']:.1f} MB in a pool of their own")
-    if ns.out:
-        Path(ns.out).write_text(json.dumps(report, indent=2))
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ import torch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.request import Req
 from backplane.engine.sampling_params import SamplingParams
+from backplane.executor.batch import ForwardMode
+from backplane.executor.graph_runner import GraphRunner, pad_into
+from backplane.executor.model_runner import _product
+from backplane.models.base import ModelOutput
 from helpers_models import make_hf_model, tiny_hf_config
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -93,3 +97,33 @@ def forward_requests(engine, prompts: list[list[int]], adapters: list[str | None
         for req in reqs:
             kv_pool.free(torch.cat(req.slots))
             req_pool.free(req.row)
+
+
+class EagerReplayGraphs(GraphRunner):
+    """The graph runner with each CUDA graph replaced by running the model on the padded static
+    view: keys, padding and the LoRA manager's capture/replay binding run on CPU, for real.
+    (Attention runs its eager metadata path: torch_native attention has no graph support.)"""
+
+    def capture(self) -> None:
+        for key in self.keys():
+            self._capture_batch(key)
+            self.graphs[key] = None
+
+    def replay(self, batch):
+        key = self.key_for(batch)
+        padded = pad_into(self.static, batch, key, self.pad_row, self.fill)
+        self.runner.prepare_graph_batch(padded, key, real=batch)
+        self.backend.init_forward_metadata(padded)
+        self.replayed.append(key)
+        return ModelOutput(self.model(padded).logits[: batch.num_tokens])
+
+
+def with_fake_graphs(engine) -> EagerReplayGraphs:
+    runner = engine.runner
+    runner.attn_backend.init_graph_state = lambda *args: None  # eager attention, see EagerReplayGraphs
+    variants = _product([c.graph_variants() for c in runner.graph_contributors])
+    graphs = EagerReplayGraphs(runner, [ForwardMode.DECODE], variants)
+    graphs.replayed = []
+    graphs.capture()
+    runner.graph_runner = graphs
+    return graphs

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 from backplane.cli.args import add_model_flags, prescan_strict, split_namespace
 from backplane.plugin.manager import PluginLoadError, PluginSet, load_plugins

@@ -18,7 +18,7 @@ import torch
 
 from backplane.distributed.batch_sync import pack_batch
 from backplane.distributed.broadcast import broadcast_object
-from backplane.distributed.launcher import (WorkerConfig, WorkerFailedError, WorkerHandles, apply_env, free_port,
+from backplane.distributed.launcher import (WorkerConfig, WorkerHandles, apply_env, free_port,
                                             init_groups)
 from backplane.distributed.lora_sync import pack_lora
 from backplane.distributed.worker import worker_main

@@ -19,7 +19,7 @@ import torch
 
 from backplane.executor.batch import ForwardBatch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
-from backplane.engine.request import FinishReason, Req
+from backplane.engine.request import Req
 from backplane.engine.stopping import check_stop
 from backplane.layers.sampler import SamplingBatch, sample
 

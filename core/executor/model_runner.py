@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane.attention.base import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
 from backplane.executor.batch import ForwardBatch, ForwardMode
 from backplane.executor.compiled import compiles_batch

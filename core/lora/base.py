@@ -131,6 +131,34 @@ class LoraBackend(ABC):
         self._sliced_lora_b(x, gate_up_b_weights, (0, n_inter, 2 * n_inter), base_output)
         return base_output
 
+    def apply_lora(
+        self,
+        x: torch.Tensor,
+        a_weights: torch.Tensor,
+        b_weights: torch.Tensor,
+        output_offsets: Sequence[int],
+        base_output: torch.Tensor,
+    ) -> torch.Tensor:
+        """One projection's whole LoRA delta, shrink and expand, in place into base_output.
+
+        For each slice j: base_output[:, offsets[j]:offsets[j+1]] += scaling[slot] * (x A_j^T) B_j^T,
+        with A_j = a_weights[slot, j*R_max : j*R_max + rank] and B_j its rows of b_weights.
+        x: [T, K]; a_weights: [num_slots, num_slices * R_max, K]; b_weights: [num_slots, N, R_max];
+        output_offsets: num_slices + 1 host ints from 0 to N; base_output: [T, N]. Returns base_output.
+        The default is `lora_a` then the matching expand; backends may fuse both into one kernel.
+        """
+        offsets = tuple(int(v) for v in output_offsets)
+        num_slices = len(offsets) - 1
+        shrunk = self.lora_a(x, a_weights, num_slices)
+        if num_slices == 3:
+            return self.qkv_lora_b(shrunk, b_weights, offsets, base_output)
+        if num_slices == 2 and offsets[2] == 2 * offsets[1]:
+            return self.gate_up_lora_b(shrunk, b_weights, base_output)
+        if num_slices == 1:
+            return self.lora_b(shrunk, b_weights, base_output)
+        self._sliced_lora_b(shrunk, b_weights, offsets, base_output)
+        return base_output
+
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static buffers that captured graphs read; called once before capture."""
 

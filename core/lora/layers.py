@@ -91,10 +91,17 @@ class LoraLinear(nn.Module):
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += this batch's LoRA delta of x, per request's adapter (eagerly, via the backend)."""
         backend = self.runtime.backend
+        if not self._sharded_input:  # shrink and expand in one call (one kernel where fused)
+            return backend.apply_lora(x, self.lora_a, self.lora_b, self.offsets, out)
         shrunk = backend.lora_a(x, self.lora_a, self.num_slices)  # [T, num_slices * R_max]
-        if isinstance(self.base_layer, RowParallelLinear):  # partial sums over the input shards
-            shrunk = self.base_layer.parallel.all_reduce(shrunk)
+        shrunk = self.base_layer.parallel.all_reduce(shrunk)  # partial sums over the input shards
         self.expand(backend, shrunk, out)
+
+    @property
+    def _sharded_input(self) -> bool:
+        """A row-parallel layer on more than one rank: its shrink is all-reduced before the expand."""
+        base = self.base_layer
+        return isinstance(base, RowParallelLinear) and base.parallel.tp_size > 1
 
     def expand(self, backend: LoraBackend, shrunk: torch.Tensor, out: torch.Tensor) -> None:
         backend.lora_b(shrunk, self.lora_b, out)

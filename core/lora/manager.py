@@ -53,9 +53,9 @@ class LoraManager:
         self.runtime = LoraRuntime(self.backend)
         self.layers: list[LoraLinear] = wrap_model(runner.model, self.runtime, self.num_slots, self.max_rank)
         self.adapters = self._load_adapters(runner)
-        max_segments = self.backend_ctx.max_bs
-        self.info = LoraBatchInfo.allocate(max_segments, self.num_slots, runner.device)
-        self.graph_info = LoraBatchInfo.allocate(max_segments, self.num_slots, runner.device)
+        max_segments, max_tokens = self.backend_ctx.max_bs, self.backend_ctx.max_num_tokens
+        self.info = LoraBatchInfo.allocate(max_segments, self.num_slots, runner.device, max_tokens)
+        self.graph_info = LoraBatchInfo.allocate(max_segments, self.num_slots, runner.device, max_tokens)
         self.pool = SlotPool(self.max_loras_per_batch)
         self.ranks, self.scalings = [0] * self.num_slots, [0.0] * self.num_slots
         # The requests now running (set by the Engine): their adapters are not evicted.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from backplane.plugin.manager import PluginSet
-from backplane.plugin.selection import attention_unusable_reasons, AttentionRequirements, lora_unusable_reasons, LoraRequirements
 
 
 def current_platform() -> str:

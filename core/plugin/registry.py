@@ -6,7 +6,7 @@ registry validates every item the moment it is registered and remembers which pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 ALL_MODES = ("extend", "decode", "target_verify", "draft_extend")

@@ -99,7 +99,7 @@ def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps
         reference.init_forward_metadata(real)
         want = reference.forward(new_q, new_k, new_v, layer, real).float()
         tol = TOLERANCE[dtype]
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: (
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, real=real, key=key: (
             f"{mode.value} graph replay at batch {real.batch_size} (padded to {key.batch_size}): {m}"))
         worst = max(worst, float((got - want).abs().max()))
     return worst

@@ -5,10 +5,11 @@ In a plugin's test suite:
     from backplane.testing import lora_conformance
     test_mine = lora_conformance.make_suite("mine")
 
-Each case is one projection the way the core calls it (core/lora/layers.py): the stacked shrink
-`lora_a`, then the fused q/k/v expand, the fused gate/up expand, or the plain `lora_b`, over a
-batch of segments that mixes adapters of different ranks (and scalings) with base-only segments
-(slot 0, rank 0). Weights follow the core's layout: A zero beyond each slot's rank, B random
+Each case is one projection the way the core calls it (core/lora/layers.py): either `apply_lora`
+(shrink and expand in one call, fused cases: what every layer without a tensor-parallel input split
+runs) or the stacked shrink `lora_a`, then the fused q/k/v expand, the fused gate/up expand, or the
+plain `lora_b` (split cases), over a batch of segments that mixes adapters of different ranks
+(8 to 64, and scalings) with base-only segments (slot 0, rank 0). Weights follow the core's layout: A zero beyond each slot's rank, B random
 there (a backend must ignore it). Rows not covered by a segment must stay untouched.
 
 Graph cases capture the products at a padded batch size with every segment on slot 0, then refresh
@@ -29,19 +30,24 @@ from backplane.lora.batch_info import LoraBatchInfo
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 R_MAX = 16
 RANKS = (0, 4, 16, 8, 1)  # per slot; slot 0 is the base-only slot
+RANKS_64 = (0, 8, 64, 33, 16)  # the same slots at R_max 64
 HIDDEN, N_Q, N_KV, N_INTER = 72, 80, 40, 104  # not multiples of any block size
 NUM_UNCOVERED = 3  # extra rows after the batch's tokens in eager cases
 
 
 @dataclass(frozen=True)
 class Case:
-    """One check. projection: "qkv" (3 slices), "gate_up" (2) or "single" (o/down-like, 1)."""
+    """One check. projection: "qkv" (3 slices), "gate_up" (2) or "single" (o/down-like, 1);
+    fused: call `apply_lora` instead of the separate products; ranks: per slot, at most r_max."""
 
     name: str
     seg_lens: tuple[int, ...]
     slots: tuple[int, ...]
     projection: str
     graph: bool = False
+    fused: bool = False
+    r_max: int = R_MAX
+    ranks: tuple[int, ...] = RANKS
 
     def __str__(self) -> str:
         return self.name
@@ -62,6 +68,18 @@ def base_cases(small: bool) -> list[Case]:
         Case("graph-decode-qkv", (1,) * 5, (2, 0, 4, 2, 1), "qkv", graph=True),
         Case("graph-decode-gate-up", (1,) * 11, cycle[:11], "gate_up", graph=True),
         Case("graph-verify-single", (4, 4, 4), (1, 0, 3), "single", graph=True),
+        # apply_lora: decode batches of 1 and 17 (fused kernels where a backend has them), ranks to 64
+        Case("fused-decode-1", (1,), (2,), "qkv", fused=True),
+        Case("fused-decode-17", (1,) * 17, cycle, "gate_up", fused=True),
+        Case("fused-decode-17-rank-64", (1,) * 17, cycle, "qkv", fused=True, r_max=64, ranks=RANKS_64),
+        Case("fused-mixed-single-rank-64", (5, 1, 1, 8, 3), (3, 3, 0, 1, 2), "single", fused=True, r_max=64,
+             ranks=RANKS_64),
+        Case("fused-base-only", (1,) * 4, (0,) * 4, "qkv", fused=True),
+        Case("fused-prefill-long", (long, 3), (2, 1), "gate_up", fused=True),
+        Case("graph-fused-decode-qkv", (1,) * 5, (2, 0, 4, 2, 1), "qkv", graph=True, fused=True),
+        Case("graph-fused-decode-gate-up-rank-64", (1,) * 11, cycle[:11], "gate_up", graph=True, fused=True,
+             r_max=64, ranks=RANKS_64),
+        Case("graph-fused-verify-single", (4, 4, 4), (1, 0, 3), "single", graph=True, fused=True),
     ]
 
 
@@ -79,14 +97,15 @@ class Problem:
         self.gen = torch.Generator().manual_seed(seed)
         self.in_features, sizes = slice_sizes(case.projection)
         self.offsets = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
-        num_slices, num_slots = len(sizes), len(RANKS)
-        a = self.randn(num_slots, num_slices * R_MAX, self.in_features) / self.in_features**0.5
-        rows = torch.arange(num_slices * R_MAX) % R_MAX
-        a *= (rows[None, :] < torch.tensor(RANKS)[:, None]).float()[:, :, None]  # zero beyond the rank
-        b = self.randn(num_slots, self.offsets[-1], R_MAX) / R_MAX**0.5  # random beyond the rank
+        self.r_max, self.ranks = case.r_max, case.ranks
+        num_slices, num_slots, r_max = len(sizes), len(self.ranks), self.r_max
+        a = self.randn(num_slots, num_slices * r_max, self.in_features) / self.in_features**0.5
+        rows = torch.arange(num_slices * r_max) % r_max
+        a *= (rows[None, :] < torch.tensor(self.ranks)[:, None]).float()[:, :, None]  # zero beyond the rank
+        b = self.randn(num_slots, self.offsets[-1], r_max) / r_max**0.5  # random beyond the rank
         b[0] = 0
         self.a, self.b = self.to_device(a), self.to_device(b)
-        self.scalings = [0.0] + [0.25 + 1.75 * float(torch.rand(1, generator=self.gen)) for _ in RANKS[1:]]
+        self.scalings = [0.0] + [0.25 + 1.75 * float(torch.rand(1, generator=self.gen)) for _ in self.ranks[1:]]
 
     def randn(self, *shape) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen)
@@ -100,15 +119,17 @@ class Problem:
         return self.to_device(x), self.to_device(self.randn(num_rows, self.offsets[-1]))
 
     def context(self, max_bs: int, max_tokens: int) -> LoraBackendContext:
-        return LoraBackendContext(device=self.device, dtype=self.dtype, max_loras_per_batch=len(RANKS) - 1,
-                                  max_lora_rank=R_MAX, max_bs=max_bs, max_num_tokens=max_tokens)
+        return LoraBackendContext(device=self.device, dtype=self.dtype, max_loras_per_batch=len(self.ranks) - 1,
+                                  max_lora_rank=self.r_max, max_bs=max_bs, max_num_tokens=max_tokens)
 
     def info(self, seg_lens, slots, max_segments: int) -> LoraBatchInfo:
-        return LoraBatchInfo.from_segments(list(seg_lens), list(slots), list(RANKS), self.scalings,
+        return LoraBatchInfo.from_segments(list(seg_lens), list(slots), list(self.ranks), self.scalings,
                                            self.device, max_segments)
 
     def run(self, backend, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The core's call sequence for this projection kind; adds the LoRA delta to `out` in place."""
+        if self.case.fused:
+            return backend.apply_lora(x, self.a, self.b, self.offsets, out)
         shrunk = backend.lora_a(x, self.a, len(self.offsets) - 1)
         if self.case.projection == "qkv":
             return backend.qkv_lora_b(shrunk, self.b, self.offsets, out)
@@ -122,9 +143,9 @@ class Problem:
         x64, a64, b64 = x.double().cpu(), self.a.double().cpu(), self.b.double().cpu()
         start = 0
         for length, slot in zip(seg_lens, slots):
-            rows, rank = slice(start, start + length), RANKS[slot]
+            rows, rank = slice(start, start + length), self.ranks[slot]
             for j, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:])):
-                a_j = a64[slot, j * R_MAX : j * R_MAX + rank]  # [rank, K]
+                a_j = a64[slot, j * self.r_max : j * self.r_max + rank]  # [rank, K]
                 out[rows, lo:hi] += self.scalings[slot] * (x64[rows] @ a_j.T) @ b64[slot, lo:hi, :rank].T
             start += length
         return out
@@ -168,7 +189,7 @@ def check_graph(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0
     replay = _capture(body) if problem.device.type == "cuda" else body
     rng = random.Random(seed)
     for step in range(2):
-        slots = list(case.slots) if step == 0 else [rng.randrange(len(RANKS)) for _ in case.slots]
+        slots = list(case.slots) if step == 0 else [rng.randrange(len(case.ranks)) for _ in case.slots]
         seg_lens, pad_slots = list(case.seg_lens) + [tpr] * 3, slots + [0] * 3
         x, base = problem.inputs(num_rows)
         static_x.copy_(x)
@@ -197,8 +218,8 @@ def applicable(spec, case: Case, device: str, dtype: torch.dtype) -> str | None:
     dtype_name = str(dtype).removeprefix("torch.")
     if dtype_name not in spec.dtypes:
         return f"dtype {dtype_name} not declared"
-    if spec.max_rank is not None and spec.max_rank < R_MAX:
-        return f"max rank {spec.max_rank} < {R_MAX}"
+    if spec.max_rank is not None and spec.max_rank < case.r_max:
+        return f"max rank {spec.max_rank} < {case.r_max}"
     if case.graph and not spec.supports_graph:
         return "does not declare graph support"
     return None

@@ -1,8 +1,13 @@
 """TritonLoraBackend: the LoraBackend contract on the segmented-GEMM kernels of kernels.py.
 
-prepare_batch plans tiles on the host (plan.py) into fixed buffers; each product is one kernel
-launch whose grid depends only on tensor shapes and the tile height chosen for the graph key, so
-the same code path serves eager runs, graph capture and replay.
+Decode-sized batches (at most FUSED_MAX_TOKENS tokens) run `apply_lora` as one fused
+shrink-and-expand launch per projection group (fused.py), which reads the batch info's persistent
+per-token slots and needs no host plan. Larger batches, and the separate products (lora_a / lora_b,
+which tensor-parallel row layers need), use the segmented kernels: prepare_batch plans tiles on the
+host (plan.py) into fixed buffers, lazily for decode-sized batches; each product is one launch
+whose grid depends only on tensor shapes and the tile height chosen for the graph key, so the same
+code path serves eager runs, graph capture and replay. A graph re-plans at replay only when its
+capture used the separate products.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import triton
 
 from backplane.lora import LoraBackend, LoraBackendContext, host_offsets
 from backplane.lora import LoraBatchInfo
-from backplane.plugins.lora_triton import kernels
+from backplane.plugins.lora_triton import fused, kernels
+from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, FusedBuffers, FusedConfig
 from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 
 
@@ -28,6 +34,8 @@ class Tuning:
     shrink_block_k: int | None = None
     shrink_split_k: int | None = None
     expand_block_n: int | None = None
+    fused_config: FusedConfig = FusedConfig()
+    fused_max_tokens: int = FUSED_MAX_TOKENS  # 0: never fuse
 
 
 def choose_block_m(num_tokens: int) -> int:
@@ -50,9 +58,20 @@ class TritonLoraBackend(LoraBackend):
         self._plan = TilePlan(ctx.device, max(ctx.max_num_tokens, 1), ctx.num_slots)
         self._graph_block_m: dict[Any, int] = {}
         self._has_graph_state = False
+        self._planned = False  # whether the tile plan describes self.batch_info
+        self._graph_key: Any = None  # the graph whose metadata was bound last
+        self._split_keys: set[Any] = set()  # graphs whose capture ran the separate products
+        self._fused_buffers: list[FusedBuffers] = []  # the last one is used; older ones stay alive
+
+    def _fuses(self, num_tokens: int) -> bool:
+        return num_tokens <= min(self.tuning.fused_max_tokens, FUSED_MAX_TOKENS)
 
     # ---- planning -------------------------------------------------------------------------
     def prepare_batch(self, batch_info: LoraBatchInfo) -> None:
+        self._graph_key = None
+        if self._fuses(batch_info.num_tokens):  # planned on first use of the separate products
+            self.batch_info, self._planned = batch_info, False
+            return
         self._bind(batch_info, self.tuning.block_m or choose_block_m(batch_info.num_tokens))
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -64,12 +83,17 @@ class TritonLoraBackend(LoraBackend):
     def init_metadata_for_capture(self, key: Any, batch_info: LoraBatchInfo) -> None:
         block_m = self.tuning.block_m or choose_block_m(batch_info.num_tokens)
         self._graph_block_m[key] = block_m
-        self._bind(batch_info, block_m)
+        self._bind(batch_info, block_m)  # always: the capture may run the separate products
+        self._graph_key = key
 
     def init_metadata_for_replay(self, key: Any, batch_info: LoraBatchInfo) -> None:
         if key not in self._graph_block_m:
             raise KeyError(f"TritonLoraBackend: graph {key!r} was never captured (call init_metadata_for_capture)")
-        self._bind(batch_info, self._graph_block_m[key])
+        self._graph_key = key
+        if key in self._split_keys or not self._fuses(batch_info.num_tokens):
+            self._bind(batch_info, self._graph_block_m[key])
+        else:  # the graph's fused kernels read batch_info's device buffers: nothing to plan
+            self.batch_info, self._planned = batch_info, False
 
     def _bind(self, info: LoraBatchInfo, block_m: int) -> None:
         if not self._plan.fits(info.num_tokens, info.num_slots):
@@ -81,7 +105,40 @@ class TritonLoraBackend(LoraBackend):
             tokens = max(info.num_tokens, self._plan.max_tokens)
             self._plan = TilePlan(self.ctx.device, tokens, max(info.num_slots, self._plan.num_slots))
         self._plan.update_(info, block_m)
-        self.batch_info = info
+        self.batch_info, self._planned = info, True
+
+    # ---- fused shrink and expand (decode) -------------------------------------------------
+    def apply_lora(
+        self,
+        x: torch.Tensor,
+        a_weights: torch.Tensor,
+        b_weights: torch.Tensor,
+        output_offsets: Sequence[int],
+        base_output: torch.Tensor,
+    ) -> torch.Tensor:
+        info = self.batch_info
+        if info is None or not self._fuses(x.shape[0]):
+            return super().apply_lora(x, a_weights, b_weights, output_offsets, base_output)
+        offsets = host_offsets(output_offsets, len(output_offsets) - 1, b_weights.shape[1])
+        _check_fused_shapes(x, a_weights, b_weights, base_output, len(offsets) - 1)
+        if b_weights.shape[0] > info.num_slots:
+            raise ValueError(f"apply_lora: expected weights for at most {info.num_slots} slots (the batch "
+                             f"info's), got {b_weights.shape[0]}")
+        buffers = self._buffers_for(b_weights.shape[0], b_weights.shape[2], x.device)
+        return fused.fused_shrink_expand(x, a_weights, b_weights, base_output, info.token_slots, info.ranks,
+                                         info.scalings, list(offsets), buffers, self.tuning.fused_config)
+
+    def _buffers_for(self, num_slots: int, r_max: int, device: torch.device) -> FusedBuffers:
+        """The fused kernel's workspace and locks; a larger set is made outside graph captures only,
+        and the old one is kept (captured graphs may read it)."""
+        if self._fused_buffers and self._fused_buffers[-1].fits(num_slots, r_max):
+            return self._fused_buffers[-1]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("TritonLoraBackend: the fused kernel's buffers must exist before a graph capture "
+                               "(run the captured body once first)")
+        self._fused_buffers.append(FusedBuffers.allocate(device, max(num_slots, self.ctx.num_slots),
+                                                         max(r_max, self.ctx.max_lora_rank)))
+        return self._fused_buffers[-1]
 
     # ---- products -------------------------------------------------------------------------
     def lora_a(self, x: torch.Tensor, a_weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
@@ -149,6 +206,10 @@ class TritonLoraBackend(LoraBackend):
         info = self.batch_info
         if info is None:
             raise RuntimeError("TritonLoraBackend: call prepare_batch(batch_info) before the products")
+        if not self._planned:
+            self._plan_late(info)
+        if self._graph_key is not None:
+            self._split_keys.add(self._graph_key)  # its replays must refresh the plan
         num_tokens = x.shape[0]
         if not info.num_tokens <= num_tokens <= self._plan.max_tokens:
             raise ValueError(
@@ -157,9 +218,28 @@ class TritonLoraBackend(LoraBackend):
             )
         return info, max_tiles(num_tokens, info.num_slots, self._plan.block_m)
 
+    def _plan_late(self, info: LoraBatchInfo) -> None:
+        """Plan a decode-sized batch on the first separate product (eager only)."""
+        if info.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("TritonLoraBackend: the separate products need a tile plan, which a graph "
+                               "capture cannot make; bind the graph with init_metadata_for_capture first")
+        block_m = self._graph_block_m.get(self._graph_key) or self.tuning.block_m or choose_block_m(info.num_tokens)
+        self._bind(info, block_m)
+
     def _shrink_k_blocks(self, num_tokens: int, k: int) -> tuple[int, int]:
         """(BLOCK_K, SPLIT_K): decode-sized batches split K so that enough programs stream A."""
         small = num_tokens <= 256
         block_k = self.tuning.shrink_block_k or _pow2_between(k, 16, 256 if small else 128)
         split_k = self.tuning.shrink_split_k or (max(1, min(16, k // 512)) if small else 1)
         return block_k, split_k
+
+
+def _check_fused_shapes(x, a_weights, b_weights, base_output, num_slices: int) -> None:
+    num_tokens, k = x.shape
+    num_slots, width, r_max = b_weights.shape
+    if tuple(a_weights.shape) != (num_slots, num_slices * r_max, k) or tuple(base_output.shape) != (num_tokens, width):
+        raise ValueError(
+            f"apply_lora: expected x [T, K], a_weights [num_slots, {num_slices} * R_max, K], b_weights "
+            f"[num_slots, N, R_max] and base_output [T, N], got {list(x.shape)}, {list(a_weights.shape)}, "
+            f"{list(b_weights.shape)}, {list(base_output.shape)}"
+        )

@@ -20,7 +20,7 @@ from backplane import ForwardBatch
 from backplane.speculative import graph_pool, padded_size
 
 from .beams import Candidates
-from .window import WindowInputs, run_window_draft
+from .window import run_window_draft
 
 
 class DraftGraphRunner:

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from backplane import AttentionBackendSpec, Engine, SamplingParams
 from backplane.attention import TorchNativeAttnBackend

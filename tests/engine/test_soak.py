@@ -51,7 +51,7 @@ def test_soak(tmp_path):
         assert engine.runner.token_to_kv_pool.num_free == kv_start
         assert engine.runner.req_to_token_pool.num_free == rows_start
     assert len(outputs) == NUM_REQUESTS
-    for (prompt, params, _), out in zip(requests, outputs):
+    for (_, params, _), out in zip(requests, outputs):
         assert out.error is None and out.finish_reason in ("stop", "length")
         assert 1 <= len(out.token_ids) <= params.max_new_tokens
         assert out.finish_reason == "stop" or len(out.token_ids) == params.max_new_tokens

@@ -188,3 +188,46 @@ def test_cuda_graph_replay_with_updated_batch_info(backend_name):
         torch.cuda.synchronize()
         assert_layer_close(static_outs, eager_outs, atol=1e-2, rtol=1e-2)
         assert_layer_close(static_outs, ref_layer(w, x, x_inter, base, info))
+
+
+def run_layer_fused(backend, w, x, x_inter, outs) -> None:
+    """The same three projections through apply_lora (one fused launch each for decode sizes)."""
+    backend.apply_lora(x, w["qkv_a"], w["qkv_b"], QKV_OFFSETS, outs["qkv"])
+    backend.apply_lora(x, w["gate_up_a"], w["gate_up_b"], (0, N_INTER, 2 * N_INTER), outs["gate_up"])
+    backend.apply_lora(x_inter, w["down_a"], w["down_b"], (0, HIDDEN), outs["down"])
+
+
+@pytest.mark.parametrize("num_rows", [1, 17, 64])
+def test_fused_decode_graph_replays_updated_batches(num_rows):
+    """The fused kernel (K split among programs at these widths) captured once, replayed on batches
+    refreshed in place: equal to the float32 reference, with no tile plan and the locks re-armed."""
+    from backplane.plugins.lora_triton.fused import choose_split
+
+    assert choose_split(HIDDEN, (N_Q, N_KV, N_KV), 16, 2, NUM_SLOTS - 1)[1] > 1  # the split path runs
+    torch.manual_seed(3)
+    w = layer_weights()
+    x, x_inter, base = random_inputs(num_rows)
+    info = make_info(*decode_batch(num_rows, 11))
+    backend = triton_backend()
+    backend.init_graph_state(MAX_SEGMENTS, MAX_TOKENS)
+    key = ("decode", num_rows, True)
+    backend.init_metadata_for_capture(key, info)
+    static_outs = {name: t.clone() for name, t in base.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: compiles, allocates the fused kernel's buffers
+        run_layer_fused(backend, w, x, x_inter, {name: t.clone() for name, t in base.items()})
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_layer_fused(backend, w, x, x_inter, static_outs)
+    for seed in (12, 13, 14):
+        info.update_(*decode_batch(num_rows, seed))
+        backend.init_metadata_for_replay(key, info)
+        assert not backend._planned and key not in backend._split_keys
+        for name, t in static_outs.items():
+            t.copy_(base[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_layer_close(static_outs, ref_layer(w, x, x_inter, base, info))
+        assert not backend._fused_buffers[-1].locks.any()

@@ -10,14 +10,10 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.executor.batch import ForwardMode
-from backplane.executor.graph_runner import GraphRunner, pad_into
 from backplane.lora.adapter import AdapterError
 from backplane.lora.pool import SlotPool
-from backplane.executor.model_runner import _product
-from backplane.models.base import ModelOutput
 from helpers_models import relative_error
-from lora_helpers import forward_requests, hf_logits, make_lora_world
+from lora_helpers import forward_requests, hf_logits, make_lora_world, with_fake_graphs
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 53)), [7], [101, 3, 250, 77], [12, 13, 14], [8, 200, 31]]
@@ -174,36 +170,6 @@ def test_non_float_and_misshaped_weights_are_refused(world, tmp_path):
         with pytest.raises(AdapterError, match="layer 1 k_proj") as err:
             make_engine(world, lora_paths=[f"bad={path}"])
         assert message in str(err.value)
-
-
-class EagerReplayGraphs(GraphRunner):
-    """The graph runner with each CUDA graph replaced by running the model on the padded static
-    view: keys, padding and the LoRA manager's capture/replay binding run on CPU, for real.
-    (Attention runs its eager metadata path: torch_native attention has no graph support.)"""
-
-    def capture(self) -> None:
-        for key in self.keys():
-            self._capture_batch(key)
-            self.graphs[key] = None
-
-    def replay(self, batch):
-        key = self.key_for(batch)
-        padded = pad_into(self.static, batch, key, self.pad_row, self.fill)
-        self.runner.prepare_graph_batch(padded, key, real=batch)
-        self.backend.init_forward_metadata(padded)
-        self.replayed.append(key)
-        return ModelOutput(self.model(padded).logits[: batch.num_tokens])
-
-
-def with_fake_graphs(engine) -> EagerReplayGraphs:
-    runner = engine.runner
-    runner.attn_backend.init_graph_state = lambda *args: None  # eager attention, see EagerReplayGraphs
-    variants = _product([c.graph_variants() for c in runner.graph_contributors])
-    graphs = EagerReplayGraphs(runner, [ForwardMode.DECODE], variants)
-    graphs.replayed = []
-    graphs.capture()
-    runner.graph_runner = graphs
-    return graphs
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
