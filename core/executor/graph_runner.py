@@ -21,7 +21,7 @@ import torch
 from backplane.executor.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_sizes import GraphKey, capture_batch_sizes, padded_size
 from backplane.models.base import ModelOutput
-from backplane.ops.dispatch import CustomOps
+from backplane.executor.compiled import CompiledForward
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class GraphRunner:
         self.static_logits = torch.empty((max_tokens, self.model.vocab_size), dtype=torch.float32,
                                          device=runner.device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.compiled: CompiledForward | None = None
         self.outputs: dict[GraphKey, ModelOutput] = {}
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0  # growth of the graph pool during capture
@@ -249,16 +250,9 @@ class GraphRunner:
     def _forward_fn(self, key: GraphKey):
         if key.batch_size not in self.compile_sizes:
             return self.model
-        compiled = torch.compile(self.model, dynamic=False)
-
-        def run(batch):
-            ops, self.runner.model_ctx.ops = self.runner.model_ctx.ops, CustomOps.native()
-            try:  # custom ops are native inside compiled regions
-                return compiled(batch)
-            finally:
-                self.runner.model_ctx.ops = ops
-
-        return run
+        if self.compiled is None:  # one torch.compile, one specialisation per captured shape
+            self.compiled = CompiledForward(self.model, self.runner.model_ctx, dynamic=False)
+        return self.compiled
 
     def _failure_message(self, key: GraphKey, exc: Exception) -> str:
         choice = self.runner.attn_choices["decode"]

@@ -13,6 +13,7 @@ import torch
 from backplane.attention.base import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
 from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.compiled import compiles_batch
 from backplane.layers.attention import Attention
 from backplane.layers.parallel import ParallelContext
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
@@ -102,6 +103,7 @@ class ModelRunner:
         self.model_ctx.attn_backend = self.attn_backend
         self.graph_contributors: list[Any] = []  # components adding graph-key extras (LoRA, ...)
         self.graph_runner = None
+        self.compiled_eager: Any = None  # torch.compile without graphs (--enable-torch-compile, no graphs)
         self.graph_mode_limits: list[Any] = []
         # Tensor-parallel rank 0: forwards go through the driver, which first sends each batch to
         # the other ranks (backplane.distributed); None on one rank and on the workers.
@@ -141,6 +143,10 @@ class ModelRunner:
         from backplane.executor.graph_runner import GraphRunner
         from backplane.executor.graph_sizes import capturable_modes
 
+        if self.args.enable_torch_compile and (self.args.disable_cuda_graph or self.device.type != "cuda"):
+            from backplane.executor.compiled import CompiledForward
+
+            self.compiled_eager = CompiledForward(self.model, self.model_ctx, dynamic=None)
         if self.args.disable_cuda_graph:
             return
         if self.device.type != "cuda":
@@ -260,6 +266,8 @@ class ModelRunner:
 
     def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
         self.attn_backend.init_forward_metadata(batch)
+        if self.compiled_eager is not None and compiles_batch(self.args, batch):
+            return self.compiled_eager(batch)
         return self.model(batch)
 
     def backends_summary(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from torch import nn
 
 from backplane.attention.base import AttentionLayerInfo
 from backplane.executor.batch import ForwardBatch
+from backplane.ops import opaque
 
 
 class Attention(nn.Module):
@@ -29,11 +30,18 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
         )
+        self.handle = opaque.register_layer(self)  # for torch.ops.backplane.attention under torch.compile
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q: [T, num_heads * head_dim]; k, v: [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]."""
         info = self.info
         num_tokens = q.shape[0]
+        if opaque.compiling():  # one opaque op: Dynamo never traces the backend's kernels or planning
+            out = q.new_empty(num_tokens, info.num_heads, info.head_dim)
+            torch.ops.backplane.attention(q.view(num_tokens, info.num_heads, info.head_dim),
+                                          k.view(num_tokens, info.num_kv_heads, info.head_dim),
+                                          v.view(num_tokens, info.num_kv_heads, info.head_dim), out, self.handle)
+            return out.view(num_tokens, info.num_heads * info.head_dim)
         o = self.ctx.attn_backend.forward(
             q.view(num_tokens, info.num_heads, info.head_dim),
             k.view(num_tokens, info.num_kv_heads, info.head_dim),

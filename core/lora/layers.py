@@ -30,6 +30,7 @@ from torch import nn
 from backplane.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from backplane.lora.base import LoraBackend
 from backplane.lora.batch_info import LoraBatchInfo
+from backplane.ops import opaque
 
 # The Hugging Face projections each fused module of the Llama family holds, in output order.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -66,6 +67,7 @@ class LoraLinear(nn.Module):
         self.lora_a = torch.zeros(num_slots, len(projections) * max_rank, in_features,
                                   dtype=weight.dtype, device=weight.device)
         self.lora_b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=weight.dtype, device=weight.device)
+        self.handle = opaque.register_layer(self)  # for torch.ops.backplane.lora_delta under torch.compile
 
     @property
     def num_slices(self) -> int:
@@ -80,13 +82,20 @@ class LoraLinear(nn.Module):
         out = self.base_layer(x)
         if self.runtime.batch_info is None:
             return out
+        if opaque.compiling():  # one opaque op: Dynamo never traces the LoRA backend's kernels
+            torch.ops.backplane.lora_delta(x, out, self.handle)
+            return out
+        self.add_delta(x, out)
+        return out
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += this batch's LoRA delta of x, per request's adapter (eagerly, via the backend)."""
         backend = self.runtime.backend
         if not self._sharded_input:  # shrink and expand in one call (one kernel where fused)
             return backend.apply_lora(x, self.lora_a, self.lora_b, self.offsets, out)
         shrunk = backend.lora_a(x, self.lora_a, self.num_slices)  # [T, num_slices * R_max]
         shrunk = self.base_layer.parallel.all_reduce(shrunk)  # partial sums over the input shards
         self.expand(backend, shrunk, out)
-        return out
 
     @property
     def _sharded_input(self) -> bool:

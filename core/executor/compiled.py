@@ -1,0 +1,57 @@
+"""CompiledForward: the model's forward under torch.compile, the plugins' kernels kept opaque.
+
+Attention and LoRA layers route through `torch.ops.backplane.*` while Dynamo traces
+(backplane.ops.opaque), so the compiled region holds the model's own math (norms, rotary, MLP,
+logits) and one opaque call per layer's attention and LoRA delta. Planning (the attention backend's
+metadata, the LoRA batch info) is done by the caller before each call, outside the region.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backplane.ops.dispatch import CustomOps
+from backplane.ops.opaque import forward_context
+
+# Compiled shapes per forward (graph sizes x modes x graph variants) can pass Dynamo's default of 8;
+# past its limit Dynamo would silently run eagerly, which `--enable-torch-compile` must never do.
+_RECOMPILE_LIMIT = 256
+
+
+def _raise_recompile_limits() -> None:
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, _RECOMPILE_LIMIT)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, _RECOMPILE_LIMIT)
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
+
+
+class CompiledForward:
+    """Callable like the model: batch -> ModelOutput, through one torch.compile of the model.
+
+    model_ctx: the ModelContext whose `ops` table is swapped for the native one during the call
+    (Inductor fuses native norms/activations; plugin custom ops stay outside). dynamic: passed to
+    torch.compile (False for CUDA graphs, one compile per captured shape; None elsewhere).
+    """
+
+    def __init__(self, model: torch.nn.Module, model_ctx: Any, dynamic: bool | None = False):
+        _raise_recompile_limits()
+        self.model_ctx = model_ctx
+        self.compiled = torch.compile(model, dynamic=dynamic)
+
+    def __call__(self, batch: Any) -> Any:
+        ops, self.model_ctx.ops = self.model_ctx.ops, CustomOps.native()
+        try:
+            with forward_context(batch):
+                return self.compiled(batch)
+        finally:
+            self.model_ctx.ops = ops
+
+
+def compiles_batch(args: Any, batch: Any) -> bool:
+    """Whether an eager (graph-less) forward of `batch` goes through the compiled model: decode and
+    verify batches of at most --torch-compile-max-bs requests, as with graphs."""
+    mode = batch.forward_mode
+    return (mode.is_decode or mode.value == "target_verify") and batch.batch_size <= args.torch_compile_max_bs

@@ -1,0 +1,93 @@
+"""Opaque custom ops that torch.compile cannot see into: attention and the LoRA delta.
+
+Under `--enable-torch-compile` the model's forward is traced by Dynamo. Plugin kernels (Triton
+launches with meta-parameters, FlashInfer's planned wrappers, per-layer lookups) do not trace, so
+each layer hands its attention and its LoRA delta to one registered torch op instead:
+
+    torch.ops.backplane.attention(q, k, v, out, handle)   # writes out: [T, H, v_dim]
+    torch.ops.backplane.lora_delta(x, out, handle)        # adds the LoRA delta into out: [T, N]
+
+Both declare `mutates_args=("out",)` and have fake implementations that check shapes only, so
+Dynamo keeps them as single calls and Inductor fuses everything around them. The real
+implementation runs the configured backend eagerly (outside the compiled region): it finds the
+layer by `handle` (an int from `register_layer`) and the batch from `forward_context`, which the
+caller of the compiled forward enters. Planning (`init_forward_metadata`, LoRA `prepare_batch`)
+stays outside too, before the call. The KV pool is state behind the attention op: the op writes the
+new tokens' K/V there, which orders correctly since every layer's op depends on the previous
+layer's output. Inside CUDA-graph capture the op launches its kernels into the captured stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+_LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+_BATCH: list[Any] = []  # a stack: the batch of the compiled forward now running
+
+
+def register_layer(layer: Any) -> int:
+    """A process-unique handle for `layer` (target and draft models may share layer ids)."""
+    handle = next(_HANDLES)
+    _LAYERS[handle] = layer
+    return handle
+
+
+@contextmanager
+def forward_context(batch: Any) -> Iterator[None]:
+    """Make `batch` the one the opaque ops of the forward run inside this block serve."""
+    _BATCH.append(batch)
+    try:
+        yield
+    finally:
+        _BATCH.pop()
+
+
+def current_batch() -> Any:
+    if not _BATCH:
+        raise RuntimeError("backplane opaque op called outside forward_context(batch): wrap the compiled "
+                           "forward in backplane.ops.opaque.forward_context")
+    return _BATCH[-1]
+
+
+def _layer(handle: int) -> Any:
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise RuntimeError(f"backplane opaque op: no live layer with handle {handle}")
+    return layer
+
+
+@torch.library.custom_op("backplane::attention", mutates_args=("out",))
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, handle: int) -> None:
+    """q: [T, H, D]; k, v: [T, H_kv, D]; out: [T, H, v_dim], written with the layer's attention."""
+    layer = _layer(handle)
+    o = layer.ctx.attn_backend.forward(q, k, v, layer.info, current_batch())
+    out.copy_(o.view(out.shape))
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, out, handle) -> None:
+    torch._check(out.shape[0] == q.shape[0])
+    return None
+
+
+@torch.library.custom_op("backplane::lora_delta", mutates_args=("out",))
+def lora_delta(x: torch.Tensor, out: torch.Tensor, handle: int) -> None:
+    """x: [T, in]; out: [T, out_features], the base layer's output; the LoRA delta is added in place."""
+    _layer(handle).add_delta(x, out)
+
+
+@lora_delta.register_fake
+def _lora_delta_fake(x, out, handle) -> None:
+    torch._check(out.shape[0] == x.shape[0])
+    return None
+
+
+def compiling() -> bool:
+    """True while Dynamo traces: layers then route through the opaque ops."""
+    return torch.compiler.is_compiling()
