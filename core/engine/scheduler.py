@@ -176,18 +176,29 @@ class Scheduler:
         return batch
 
     def _schedule_decode(self) -> list[Req]:
-        ready = [r for r in self.running if not r.needs_prefill]
+        ready = self._ready_for_decode()
         need = self.decode_slots_per_request * len(ready)
         if self.overlap is not None and self.prefix_cache.available() < need:
             # NOTE: preemption needs exact host state (no token in flight): finish the last step first.
             self._flushed += self.overlap.flush()
-            ready = [r for r in self.running if not r.needs_prefill]
+            ready = self._ready_for_decode()
         while ready and self.prefix_cache.available() < self.decode_slots_per_request * len(ready):
             victim = ready.pop()  # newest first
             self._preempt(victim, keep=True)
         self.prefix_cache.make_room(self.decode_slots_per_request * len(ready))
         alone = [r for r in ready if r.rid in self.isolated]
         return alone[:1] or ready
+
+    def _ready_for_decode(self) -> list[Req]:
+        """Running requests that can decode. Under overlap, one whose token in flight is its last
+        (max_new_tokens reached) is left out: it finishes when that step is read, and a step for it
+        would only be thrown away."""
+        ready = [r for r in self.running if not r.needs_prefill]
+        pending = self.overlap.pending if self.overlap is not None else None
+        if pending is None:
+            return ready
+        last = {id(r) for r in pending.reqs if len(r.output_ids) + 1 >= r.params.max_new_tokens}
+        return [r for r in ready if id(r) not in last]
 
     @property
     def decode_slots_per_request(self) -> int:
