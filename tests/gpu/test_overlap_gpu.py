@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from helpers_models import unused_slots
+
 from backplane import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -23,8 +25,8 @@ def test_overlap_matches_synchronous_loop_under_graphs(backend):
         engine = Engine("tiny-llama", device="cuda", attention_backend=backend, max_total_tokens=4096,
                         max_running_requests=8, chunked_prefill_size=32, disable_overlap_schedule=disable)
         assert engine.runner.graph_runner is not None
-        free = engine.runner.token_to_kv_pool.num_free
+        free = unused_slots(engine)
         outs.append([o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)])
-        assert engine.runner.token_to_kv_pool.num_free == free
+        assert unused_slots(engine) == free  # cached prefixes count as unused
     assert outs[0] == outs[1]
     assert [len(t) for t in outs[0]] == [20, 3, 31, 8, 1, 25, 12]
