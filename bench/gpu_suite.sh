@@ -46,7 +46,7 @@ run_tests() {
     [tests-flashinfer]="tests/gpu/test_attention_flashinfer_gpu.py"
     [tests-conformance]="tests/gpu/test_conformance_gpu.py"
     [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
-    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
+    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
   )
   # Tests that measure graph memory read the device's free memory: they run alone, afterwards.
   local serial="share_the_pool or shares_the_pool"
@@ -112,6 +112,9 @@ case "$what" in
     test_summary spec-tests-pool $?
     step spec 220 python3 bench/spec.py --backend triton --phases --token-map 32768 --out "$out/spec.json" ;;
   prefix-cache)
+    timeout -s INT 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_prefix_cache_gpu.py \
+      > "$out/prefix-cache-tests.log" 2>&1
+    test_summary prefix-cache-tests $?
     step prefix-cache-1b 200 python3 bench/prefix_cache.py --models llama-3.2-1b --out "$out/prefix_cache-1b.json"
     step prefix-cache-8b 370 python3 bench/prefix_cache.py --models llama-3.1-8b --out "$out/prefix_cache-8b.json" ;;
   decode)

@@ -93,7 +93,7 @@ def peer_step_ms(cfg, bs: int, context: int, steps: int, device, compile_: bool)
     model = PeerLlama(cfg, bs, context + steps + 8, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     step = torch.compile(model, mode="reduce-overhead", fullgraph=True) if compile_ else model
     ids = torch.zeros(bs, dtype=torch.long, device=device)
-    pos = torch.tensor(context, device=device)
+    pos = torch.tensor([context], device=device)  # 1-D: a 0-d index is data-dependent to dynamo
     with torch.inference_mode():
         for _ in range(3):  # warm-up and capture
             ids = step(ids, pos).clone()
