@@ -15,6 +15,8 @@
 #   bench/gpu_suite.sh spec       the EAGLE and attention-graph GPU tests (triton and flashinfer side by
 #                                 side), the draft pool test, then bench/spec.py with its phase timing
 #   bench/gpu_suite.sh prefix-cache  bench/prefix_cache.py (radix cache on/off; llama-3.2-1b, llama-3.1-8b)
+#   bench/gpu_suite.sh http       bench/serving.py: `backplane serve` (llama-3.2-1b, triton, graphs) at Poisson
+#                                 rates 1/4/16/inf over streamed HTTP, against the offline Engine (issue 21)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -111,6 +113,14 @@ case "$what" in
       -k share_the_pool > "$out/spec-tests-pool.log" 2>&1
     test_summary spec-tests-pool $?
     step spec 220 python3 bench/spec.py --backend triton --phases --token-map 32768 --out "$out/spec.json" ;;
+  http)
+    # The server and its client need the serve extra and httpx from the carried site archive.
+    if python3 -c 'import fastapi, uvicorn, prometheus_client, httpx' 2>/dev/null; then
+      TAIL=12 step serving-http 300 python3 bench/serving.py --model llama-3.2-1b --out "$out/serving.json" \
+        -- --attention-backend triton
+    else
+      status=1; summary+=("serving-http: fastapi/uvicorn/prometheus-client/httpx missing from .device/site.tar.xz; rebuild it with ../shared/device/make-site.sh fastapi uvicorn prometheus-client httpx")
+    fi ;;
   prefix-cache)
     timeout -s INT 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_prefix_cache_gpu.py \
       > "$out/prefix-cache-tests.log" 2>&1
@@ -130,7 +140,7 @@ case "$what" in
     TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
   plot) plot ;;
   tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, decode, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"
