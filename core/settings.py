@@ -47,7 +47,7 @@ class ServerArgs(BaseSettings):
         "auto", description="auto: bfloat16 on cuda, float32 on cpu"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    seed: int = Field(0, ge=0, description="seed for dummy weights and sampling")
+    seed: int = Field(0, ge=0, le=2**64 - 1, description="seed for dummy weights and sampling")
     context_length: int | None = Field(None, ge=1, description="max tokens per request")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     # Backends
