@@ -43,6 +43,13 @@ def _run_generate(ns: argparse.Namespace, args, plugin_set) -> int:
         raise ValueError("--prompt and --input-ids: pass one or the other, not both")
     params = _sampling_params(ns, args.seed)
     engine = Engine(server_args=args, plugin_set=plugin_set)
+    try:
+        return _generate_and_print(ns, engine, params)
+    finally:  # also on Ctrl-C: tensor-parallel workers stop with the command
+        engine.shutdown()
+
+
+def _generate_and_print(ns: argparse.Namespace, engine, params) -> int:
     inputs = {"input_ids": ns.input_ids} if ns.input_ids else {"prompts": ns.prompt or DEFAULT_PROMPTS}
     start = time.perf_counter()
     outputs = engine.generate(sampling_params=params, lora=ns.lora, progress=_progress(ns, params), **inputs)
@@ -50,7 +57,7 @@ def _run_generate(ns: argparse.Namespace, args, plugin_set) -> int:
     num_tokens = sum(len(o.token_ids) for o in outputs)
     if ns.json:
         print(json.dumps({"outputs": [o.to_dict() for o in outputs], "backends": engine.backends,
-                          "stats": engine.stats(), "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}))
+                          "stats": engine.stats(), "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}, allow_nan=False))
     else:
         _print_text(outputs, engine, num_tokens, elapsed)
     return 2 if any(o.error for o in outputs) else 0

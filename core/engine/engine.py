@@ -54,7 +54,8 @@ class Engine:
             self.runner.init_cuda_graphs()
             if self.spec_worker is not None:
                 self.spec_worker.init_cuda_graphs()  # the draft's graphs share the target's pool
-        self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size))
+        self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size),
+                                        self.args.tokenizer_path)
         self.scheduler = Scheduler(
             self.runner, max_running=self.args.max_running_requests or self.runner.req_to_token_pool.size - 1,
             chunk_size=self.args.chunked_prefill_size,
