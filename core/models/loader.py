@@ -28,13 +28,15 @@ def load_hf_config(path: str | os.PathLike):
     read_config_json(Path(path) / "config.json")  # a bad field is one line here, not an error deep inside
     try:
         return AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, TypeError, OSError) as exc:  # e.g. an unknown model_type
+    except Exception as exc:  # noqa: BLE001 - an unknown model_type, a field transformers' own checks refuse
         raise ValueError(f"model config '{os.path.join(path, 'config.json')}': transformers cannot read it: "
-                         f"{_first_line(exc)}") from None
+                         f"{one_line(exc)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (its lines joined), at most `limit` characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def safetensors_files(path: str | os.PathLike) -> list[str]:
