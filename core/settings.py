@@ -47,7 +47,7 @@ class ServerArgs(BaseSettings):
         "auto", description="auto: bfloat16 on cuda, float32 on cpu"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    seed: int = Field(0, ge=0, description="seed for dummy weights and sampling")
+    seed: int = Field(0, ge=0, le=2**64 - 1, description="seed for dummy weights and sampling")
     context_length: int | None = Field(None, ge=1, description="max tokens per request")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     # Backends
@@ -151,13 +151,26 @@ def env_name(field: str, group: str | None = None) -> str:
     return ENV_PREFIX + field.upper()
 
 
-def format_validation_error(err: ValidationError, group: str | None = None) -> str:
-    """One line: the flag, its env var, the value received and what is allowed."""
+def format_validation_error(err: ValidationError, group: str | None = None, fields: tuple[str, ...] = ()) -> str:
+    """One line: the flag, its env var, the value received and what is allowed.
+
+    An error of the whole model (a validator across options) has no field of its own: it is put on
+    the first of `fields` that its message names, else on the group as a whole.
+    """
     first = err.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else "?"
-    flag = f"--{group}.{field.replace('_', '-')}" if group else flag_name(field)
-    value = first.get("input")
     message = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    if first["loc"]:
+        field = str(first["loc"][0])
+    else:
+        named = sorted((message.find(f), f) for f in fields if f in message)
+        if not named:
+            where = f"--{group}.*" if group else "server arguments"
+            return f"{where}: invalid combination: {message}"
+        field = named[0][1]
+        value = value.get(field) if isinstance(value, dict) else value
+        message = message.removeprefix(f"{group}.{field}: ").removeprefix(f"{field}: ")
+    flag = f"--{group}.{field.replace('_', '-')}" if group else flag_name(field)
     return f"{flag} (env {env_name(field, group)}): invalid value {value!r}: {message}"
 
 
@@ -167,7 +180,7 @@ def build_server_args(cli_values: dict[str, Any], group_models: dict[str, type] 
     try:
         args = ServerArgs(**cli_values)
     except ValidationError as err:
-        raise SettingsError(format_validation_error(err)) from None
+        raise SettingsError(format_validation_error(err, fields=tuple(ServerArgs.model_fields))) from None
     args.plugin_options = build_plugin_options(group_models or {}, group_values or {})
     return args
 
@@ -180,7 +193,7 @@ def build_plugin_options(group_models: dict[str, type], group_values: dict[str, 
         try:
             options[group] = model(**values)
         except ValidationError as err:
-            raise SettingsError(format_validation_error(err, group)) from None
+            raise SettingsError(format_validation_error(err, group, tuple(model.model_fields))) from None
     unknown = set(group_values) - set(group_models)
     if unknown:
         raise SettingsError(

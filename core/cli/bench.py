@@ -29,11 +29,39 @@ from backplane.engine.sampling_params import SamplingParams
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
-    g.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
-    g.add_argument("--input-len", type=int, default=512)
-    g.add_argument("--output-len", type=int, default=16)
+    g.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 8, 32])
+    g.add_argument("--input-len", type=positive_int, default=512)
+    g.add_argument("--output-len", type=positive_int, default=16)
     g.add_argument("--json", action="store_true", help="print one JSON document")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="decode latency against batch size")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its one-line error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def check_bench_fits(ns: argparse.Namespace, runner) -> None:
+    """Refuse sizes the pools cannot hold, naming the flag, before anything is measured."""
+    need = ns.input_len + ns.output_len
+    if need > runner.context_len:
+        raise ValueError(f"--input-len {ns.input_len} + --output-len {ns.output_len}: expected at most the "
+                         f"context length {runner.context_len}")
+    rows = runner.req_to_token_pool.size - 1
+    slots = runner.token_to_kv_pool.num_slots - 1
+    for bs in ns.batch_size:
+        if bs > rows:
+            raise ValueError(f"--batch-size {bs}: expected at most {rows} (the request rows; raise "
+                             "--max-running-requests)")
+        if bs * need > slots:
+            raise ValueError(f"--batch-size {bs}: {bs} x ({ns.input_len} + {ns.output_len}) tokens need "
+                             f"{bs * need} KV slots, the pool has {slots}; raise --max-total-tokens or lower it")
 
 
 def _sync(device: torch.device) -> None:
@@ -133,7 +161,15 @@ def run_bench(ns: argparse.Namespace, args, plugin_set) -> int:
     from backplane.engine import Engine
 
     engine = Engine(server_args=args, plugin_set=plugin_set)
-    runner, lora = engine.runner, engine.lora_manager
+    try:
+        return _bench(ns, engine)
+    finally:  # also on Ctrl-C: tensor-parallel workers stop with the command
+        engine.shutdown()
+
+
+def _bench(ns: argparse.Namespace, engine) -> int:
+    args, runner, lora = engine.args, engine.runner, engine.lora_manager
+    check_bench_fits(ns, runner)
     modes = [True] + ([False] if runner.graph_runner is not None else [])
     for bs in ns.batch_size:  # warm-up pass: kernels compile and autotune outside the timings
         measure(runner, bs, min(ns.input_len, 64), 2, eager=True, lora=lora)

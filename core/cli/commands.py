@@ -37,14 +37,19 @@ def _ids(text: str) -> list[int]:
 
 
 def _run_generate(ns: argparse.Namespace, args, plugin_set) -> int:
-    from backplane.engine import Engine, SamplingParams
+    from backplane.engine import Engine
 
     if ns.prompt and ns.input_ids:
         raise ValueError("--prompt and --input-ids: pass one or the other, not both")
-    params = SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            top_k=ns.top_k, min_p=ns.min_p, ignore_eos=ns.ignore_eos, stop=ns.stop,
-                            seed=args.seed if ns.temperature > 0 else None)
+    params = _sampling_params(ns, args.seed)
     engine = Engine(server_args=args, plugin_set=plugin_set)
+    try:
+        return _generate_and_print(ns, engine, params)
+    finally:  # also on Ctrl-C: tensor-parallel workers stop with the command
+        engine.shutdown()
+
+
+def _generate_and_print(ns: argparse.Namespace, engine, params) -> int:
     inputs = {"input_ids": ns.input_ids} if ns.input_ids else {"prompts": ns.prompt or DEFAULT_PROMPTS}
     start = time.perf_counter()
     outputs = engine.generate(sampling_params=params, lora=ns.lora, progress=_progress(ns, params), **inputs)
@@ -52,10 +57,23 @@ def _run_generate(ns: argparse.Namespace, args, plugin_set) -> int:
     num_tokens = sum(len(o.token_ids) for o in outputs)
     if ns.json:
         print(json.dumps({"outputs": [o.to_dict() for o in outputs], "backends": engine.backends,
-                          "stats": engine.stats(), "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}))
+                          "stats": engine.stats(), "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}, allow_nan=False))
     else:
         _print_text(outputs, engine, num_tokens, elapsed)
     return 2 if any(o.error for o in outputs) else 0
+
+
+def _sampling_params(ns: argparse.Namespace, seed: int):
+    """The flags' SamplingParams; a bad value is a one-line error naming its flag."""
+    from backplane.engine import SamplingParams
+
+    try:
+        return SamplingParams(max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                              top_k=ns.top_k, min_p=ns.min_p, ignore_eos=ns.ignore_eos, stop=ns.stop,
+                              seed=seed if ns.temperature > 0 else None)
+    except ValueError as err:  # "SamplingParams.top_p: expected ..., got ..."
+        field = str(err).removeprefix("SamplingParams.").partition(":")[0]
+        raise ValueError(f"--{field.replace('_', '-')}: {err}") from None
 
 
 def _progress(ns, params):

@@ -13,6 +13,7 @@ from backplane.plugin.manager import PluginLoadError, PluginSet, load_plugins
 from backplane.settings import ServerArgs, SettingsError, build_server_args
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
 
 
 class UsageError(Exception):
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, UsageError, PluginLoadError, ValueError, FileNotFoundError) as err:
         print(f"backplane: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # the command's engine (and its tensor-parallel workers) is already stopped
+        print("backplane: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 class _Parser(argparse.ArgumentParser):

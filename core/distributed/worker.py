@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import threading
 import time
 import traceback
@@ -85,6 +86,8 @@ def worker_main(config: WorkerConfig, reports: Any) -> None:
     Any exception is reported as ("error", rank, "Type: message") and the process exits with 1.
     """
     apply_env(config.env)
+    # NOTE: Ctrl-C reaches the whole process group; rank 0 handles it and stops this worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     code = 0
     try:

@@ -8,6 +8,7 @@ import threading
 from typing import Any, Sequence
 
 from backplane.distributed.launcher import WorkerFailedError
+from backplane.engine.inputs import PromptInput, split_prompts
 from backplane.engine.prefix_cache import PrefixCache
 from backplane.engine.request import FinishReason, Req, RequestOutput
 from backplane.engine.sampling_params import SamplingParams
@@ -53,7 +54,8 @@ class Engine:
             self.runner.init_cuda_graphs()
             if self.spec_worker is not None:
                 self.spec_worker.init_cuda_graphs()  # the draft's graphs share the target's pool
-        self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size))
+        self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size),
+                                        self.args.tokenizer_path)
         self.scheduler = Scheduler(
             self.runner, max_running=self.args.max_running_requests or self.runner.req_to_token_pool.size - 1,
             chunk_size=self.args.chunked_prefill_size,
@@ -155,36 +157,40 @@ class Engine:
             return self.scheduler.fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
 
     def _make_requests(self, prompts, input_ids, sampling_params, lora) -> list[Req]:
-        token_lists = self._token_lists(prompts, input_ids)
-        params = _broadcast(sampling_params or SamplingParams(), len(token_lists), "sampling_params")
-        adapters = _broadcast(lora, len(token_lists), "lora")
-        reqs = [Req(next(self._rids), ids, p, a) for ids, p, a in zip(token_lists, params, adapters)]
-        for req in reqs:
-            if req.lora is not None:
-                self._check_adapter(req)
-            refusal = sampling_refusal(self.spec, req)
-            if refusal and not req.finished:
+        """One Req per request; one that cannot run (malformed prompt, bad sampling parameters,
+        unknown adapter) is already aborted with its error, before anything is scheduled."""
+        inputs = split_prompts(prompts, input_ids)
+        params = _broadcast(sampling_params or SamplingParams(), len(inputs), "sampling_params")
+        adapters = _broadcast(lora, len(inputs), "lora")
+        reqs = []
+        for item, p, adapter in zip(inputs, params, adapters):
+            req = Req(next(self._rids), [], p, adapter)
+            error = self._prompt_error(req, item) or _params_error(p) or self._adapter_error(req)
+            if error:
+                req.abort(f"request {req.rid}: {error}")
+            elif (refusal := sampling_refusal(self.spec, req)) is not None:
                 req.abort(refusal)
+            reqs.append(req)
         return reqs
 
-    def _check_adapter(self, req: Req) -> None:
-        known = self.args.lora_path_map
-        if req.lora not in known:
-            req.abort(f"request {req.rid}: unknown LoRA adapter {req.lora!r}; "
-                      f"loaded: {', '.join(sorted(known)) or 'none (pass --lora-paths name=path)'}")
-
-    def _token_lists(self, prompts, input_ids) -> list[list[int]]:
-        if (prompts is None) == (input_ids is None):
-            raise ValueError("generate: pass exactly one of prompts or input_ids")
-        if input_ids is not None:
-            if input_ids and isinstance(input_ids[0], int):
-                input_ids = [input_ids]
-            return [list(map(int, ids)) for ids in input_ids]
-        if isinstance(prompts, str):
-            prompts = [prompts]
+    def _prompt_error(self, req: Req, item: PromptInput) -> str | None:
+        """Fill req.prompt_ids from the prompt (tokenizing text); the reason it cannot, or None."""
+        if item.error:
+            return item.error
+        if item.ids is not None:
+            req.prompt_ids = item.ids
+            return None
         if self.tokenizer is None:
-            raise ValueError(f"--model {self.args.model}: has no tokenizer; pass input_ids instead of prompts")
-        return [list(self.tokenizer.encode(p)) for p in prompts]
+            return f"prompt: --model {self.args.model} has no tokenizer; pass input_ids instead of text"
+        req.prompt_ids = [int(t) for t in self.tokenizer.encode(item.text)]
+        return None
+
+    def _adapter_error(self, req: Req) -> str | None:
+        known = self.args.lora_path_map
+        if req.lora is None or (isinstance(req.lora, str) and req.lora in known):
+            return None
+        return (f"unknown LoRA adapter {req.lora!r}; "
+                f"loaded: {', '.join(sorted(known)) or 'none (pass --lora-paths name=path)'}")
 
     def _output(self, req: Req) -> RequestOutput:
         text = req.text if req.text is not None else self.decode(req.output_ids)
@@ -202,6 +208,12 @@ def _timings(req: Req) -> dict[str, float | None]:
     n = len(req.output_ids)
     tpot = (req.finished_at - req.first_token_at) / (n - 1) if req.finished_at is not None and n > 1 else None
     return {"ttft_s": ttft, "tpot_s": tpot}
+
+
+def _params_error(params: Any) -> str | None:
+    if not isinstance(params, SamplingParams):
+        return f"sampling_params: expected a SamplingParams, got {type(params).__name__}"
+    return params.problem()  # fields changed after construction are caught here
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,8 +78,10 @@ class RequestOutput:
     tpot_s: float | None = None  # mean time per output token after the first (seconds)
 
     def to_dict(self) -> dict[str, Any]:
+        # NOTE: JSON has no NaN: a log-probability that is not finite (a model gone NaN) is null.
+        logprobs = [lp if math.isfinite(lp) else None for lp in self.logprobs]
         out = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-               "logprobs": self.logprobs}
+               "logprobs": logprobs}
         if self.error:
             out["error"] = self.error
         return out

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings, validated on construction.
+    """Per-request sampling settings, validated on construction and again when a request is
+    submitted (a field changed after construction is caught there, for that request alone).
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters; min_p 0 too.
     seed: the same seed gives the same tokens for the same prompt, whatever else is in the batch.
@@ -28,20 +34,53 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
-            ("max_new_tokens", self.max_new_tokens, isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "an integer >= 1"),
-            ("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 is greedy)"),
-            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= -1, "an integer >= 1, or 0/-1 for no limit"),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("seed", self.seed, self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "None or an integer >= 0"),
-            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
-            ("stop_token_ids", self.stop_token_ids, all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
-        ]
-        for name, value, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name}: expected {expected}, got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field: "SamplingParams.top_p: expected ..., got ..."."""
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self) -> str | None:
+        """The first bad field as one line (as `validate` raises it), or None when all are valid."""
+        for name, expected, ok in _CHECKS:
+            value = getattr(self, name)
+            if not ok(value):
+                return f"SamplingParams.{name}: expected {expected}, got {value!r}"
+        return None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    """A finite number (not a bool, not NaN or infinity)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(_int(t) and t >= 0 for t in value)
+
+
+# (field, what is expected, check) in the order they are reported.
+_CHECKS = (
+    ("max_new_tokens", "an integer >= 1", lambda v: _int(v) and v >= 1),
+    ("temperature", ">= 0 (0 is greedy)", lambda v: _real(v) and v >= 0),
+    ("top_k", "an integer >= 1, or 0/-1 for no limit", lambda v: _int(v) and v >= -1),
+    ("top_p", "in (0, 1]", lambda v: _real(v) and 0 < v <= 1),
+    ("min_p", "in [0, 1]", lambda v: _real(v) and 0 <= v <= 1),
+    ("seed", f"None or an integer in [0, {MAX_SEED}]", lambda v: v is None or (_int(v) and 0 <= v <= MAX_SEED)),
+    ("stop", "non-empty strings", _strings),
+    ("stop_token_ids", "token ids >= 0", _token_ids),
+    ("ignore_eos", "True or False", lambda v: isinstance(v, bool)),
+)

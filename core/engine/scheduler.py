@@ -245,7 +245,7 @@ class Scheduler:
 
     def _run_decode(self, reqs: list[Req]) -> LaunchedStep:
         if self.spec_worker is not None:
-            return LaunchedStep.known_tokens(reqs, self.spec_worker.decode(reqs))
+            return self._run_speculative(reqs)
         batch = build_decode_batch(reqs, self.kv_pool, self.req_pool, self.future)
         if self.future is not None:
             batch.input_ids = self.future.resolve(batch.input_ids)
@@ -254,6 +254,20 @@ class Scheduler:
             req.num_cached += 1
         logits = self.runner.forward(batch).logits
         return self._sample_on_device(reqs, logits)
+
+    def _run_speculative(self, reqs: list[Req]) -> LaunchedStep:
+        """A speculative step; a request whose drafts would pass the context end decodes one
+        token plainly instead (its greedy tokens are the same, so output is unchanged)."""
+        fits = [r for r in reqs if self.spec_worker.fits_context(r)]
+        near_end = [r for r in reqs if not self.spec_worker.fits_context(r)]
+        new = self.spec_worker.decode(fits) if fits else []
+        if near_end:
+            batch = self._prepare(build_decode_batch(near_end, self.kv_pool, self.req_pool), near_end)
+            for req in near_end:
+                req.num_cached += 1
+            tokens, logprobs = self.sample(near_end, self.runner.forward(batch).logits)
+            new += [([t], [lp]) for t, lp in zip(tokens, logprobs)]
+        return LaunchedStep.known_tokens(fits + near_end, new)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Next token and its log-probability for each request, from logits [len(reqs), vocab]."""

@@ -11,18 +11,40 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(path: Path | None, vocab_size: int) -> Any | None:
-    """A tokenizer with encode/decode/eos_token_id, or None when the model has none (ids only)."""
-    if path is not None and any((path / name).exists() for name in TOKENIZER_FILES):
-        from transformers import AutoTokenizer
+def load_tokenizer(path: Path | None, vocab_size: int, tokenizer_path: str | None = None) -> Any | None:
+    """A tokenizer with encode/decode/eos_token_id, or None when the model has none (ids only).
 
-        return AutoTokenizer.from_pretrained(str(path))
+    tokenizer_path (--tokenizer-path) is used instead of the model directory when given; it must
+    hold a tokenizer. A tokenizer that transformers cannot load is a one-line ValueError naming it.
+    """
+    if tokenizer_path is not None:
+        path = Path(tokenizer_path).expanduser()
+        if not _has_tokenizer(path):
+            raise ValueError(f"--tokenizer-path {tokenizer_path!r}: expected a directory holding one of "
+                             f"{', '.join(TOKENIZER_FILES)}, found none")
+    if path is not None and _has_tokenizer(path):
+        return _hf_tokenizer(path, "--tokenizer-path" if tokenizer_path is not None else "model tokenizer")
     from backplane.models.byte_tokenizer import ByteTokenizer
 
     if vocab_size >= ByteTokenizer.vocab_size:
         return ByteTokenizer()
     logger.warning("model has no tokenizer and a vocabulary too small for bytes: token ids only")
     return None
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in TOKENIZER_FILES)
+
+
+def _hf_tokenizer(path: Path, what: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - corrupt JSON, a missing vocabulary file, ...: one line naming it
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"{what} '{path}': expected a tokenizer transformers can load "
+                         f"({', '.join(TOKENIZER_FILES)}), got {type(exc).__name__}: {first}") from None
 
 
 def eos_ids(tokenizer: Any | None, hf_config: Any) -> set[int]:

@@ -4,6 +4,7 @@ through the registry, and runs one forward pass (eagerly, or through the graph r
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,42 @@ def resolve_model_source(args: ServerArgs) -> ModelSource:
     )
 
 
+def context_length(args: ServerArgs, hf_config: Any) -> int:
+    """--context-length, or the model's max_position_embeddings; never beyond it (positions past
+    it have no rotary embedding)."""
+    limit = int(hf_config.max_position_embeddings)
+    if args.context_length is not None and args.context_length > limit:
+        raise ValueError(f"--context-length {args.context_length}: expected at most the model's "
+                         f"max_position_embeddings {limit}; positions past it have no rotary embedding")
+    return args.context_length or limit
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on `device`: free device memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_pool_memory(device: torch.device, pools: list[tuple[str, int, int, str]]) -> None:
+    """Refuse pools that cannot be allocated: (flag, value, bytes, what) each, against free memory."""
+    free = available_memory(device)
+    for flag, value, size, what in pools:
+        if size > free:
+            most = max(value * free // max(size, 1), 0)
+            raise ValueError(f"{flag} {value}: {value} {what} need {_gib(size)} of {device.type} memory but "
+                             f"{_gib(free)} is free; expected at most about {most}")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:,.1f} GiB"
+
+
 class ModelRunner:
     """Owns the model and everything it runs on for one tensor-parallel rank."""
 
@@ -97,7 +134,7 @@ class ModelRunner:
         )
         self.model = self._build_model()
         self.layer_infos = [m.info for m in self.model.modules() if isinstance(m, Attention)]
-        self.context_len = args.context_length or int(self.hf_config.max_position_embeddings)
+        self.context_len = context_length(args, self.hf_config)
         self.req_to_token_pool, self.token_to_kv_pool = self._init_pools()
         self.attn_backend, self.attn_choices = self._init_attention()
         self.model_ctx.attn_backend = self.attn_backend
@@ -169,7 +206,8 @@ class ModelRunner:
     # -- construction ---------------------------------------------------------------------------
 
     def _build_model(self) -> torch.nn.Module:
-        from backplane.models.loader import get_model_spec, iterate_safetensors
+        from backplane.models.loader import check_checkpoint_shapes, get_model_spec, safetensors_files
+        from backplane.models.loader import iterate_safetensors
         from backplane.models.presets import init_dummy_weights
 
         spec = get_model_spec(self.registry.specs("model"), self.hf_config)
@@ -178,6 +216,8 @@ class ModelRunner:
         if self.source.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
+            if hasattr(model, "checkpoint_shapes"):  # a wrong shape is named before any tensor is read
+                check_checkpoint_shapes(safetensors_files(self.source.path), dict(model.checkpoint_shapes()))
             model.load_weights(iterate_safetensors(self.source.path))
         return model.eval()
 
@@ -186,12 +226,19 @@ class ModelRunner:
         per_token = TokenToKVPool.bytes_per_token(len(self.layer_infos), info.num_kv_heads, info.head_dim, self.dtype)
         num_slots = self.args.max_total_tokens or self._profile_num_slots(per_token)
         if num_slots < 2:
+            if self.args.max_total_tokens:
+                raise ValueError(f"--max-total-tokens {num_slots}: expected at least 2 (slot 0 of the KV pool "
+                                 "is the padding slot, so 1 leaves no room for any token)")
             raise ValueError(
                 f"--mem-fraction-static {self.args.mem_fraction_static}: leaves room for {num_slots} KV "
                 "tokens after the weights; raise it or pass --max-total-tokens"
             )
         req_rows = self.args.max_running_requests or DEFAULT_REQ_POOL[self.device.type]
         max_ctx = min(self.context_len, num_slots) + 8  # + room for speculative draft tokens
+        check_pool_memory(self.device, [
+            ("--max-total-tokens", num_slots, num_slots * per_token, "KV tokens"),
+            ("--max-running-requests", req_rows, (req_rows + 1) * max_ctx * 4, "request rows"),
+        ])
         req_pool = ReqToTokenPool(req_rows + 1, max_ctx, self.device)  # + one row for graph padding
         kv_pool = TokenToKVPool(num_slots, len(self.layer_infos), info.num_kv_heads, info.head_dim,
                                 self.dtype, self.device)

@@ -8,7 +8,7 @@ A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, target_modu
 
 Everything that would make the adapter run wrongly is refused with an error naming the adapter
 and the file: missing files, a rank above `--max-lora-rank`, a target the model does not have,
-non-float weights, wrong shapes, and PEFT features this executor does not implement.
+non-float or non-finite (NaN, infinite) weights, a corrupt weights file, wrong shapes, and PEFT features this executor does not implement.
 """
 
 from __future__ import annotations
@@ -84,9 +84,11 @@ def read_adapter_config(name: str, path: str | Path) -> AdapterConfig:
     file = _require_file(name, Path(path), CONFIG_FILE)
     try:
         raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AdapterError(f"LoRA adapter {name!r} ({file}): expected JSON, got a parse error: {exc}") from exc
     where = f"LoRA adapter {name!r} ({file})"
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     if raw.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{where}: expected peft_type 'LORA', got {raw.get('peft_type')!r}")
     for key, off in _UNSUPPORTED:
@@ -94,13 +96,16 @@ def read_adapter_config(name: str, path: str | Path) -> AdapterConfig:
         if value is not None and value != off:
             raise AdapterError(f"{where}: {key}={value!r} is not supported; expected {off!r}")
     rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(f"{where}: expected r (the rank) to be an integer >= 1, got {rank!r}")
     alpha = raw.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)):
-        raise AdapterError(f"{where}: expected lora_alpha to be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"{where}: expected lora_alpha to be a finite number, got {alpha!r}")
+    rslora = raw.get("use_rslora", False)
+    if not isinstance(rslora, bool) and rslora is not None:
+        raise AdapterError(f"{where}: expected use_rslora to be true or false, got {rslora!r}")
     targets = _target_modules(raw.get("target_modules"), where)
-    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora", False)), targets)
+    return AdapterConfig(rank, float(alpha), bool(rslora), targets)
 
 
 def _target_modules(value, where: str) -> tuple[str, ...]:
@@ -133,8 +138,6 @@ def load_adapter(
     shapes: the model's projections (PROJECTIONS names) with their full sizes; max_rank: the
     configured --max-lora-rank; dtype: the model dtype the weights are converted to.
     """
-    from safetensors.torch import load_file
-
     config = read_adapter_config(name, path)
     if config.rank > max_rank:
         raise AdapterError(
@@ -148,7 +151,7 @@ def load_adapter(
             f"in this model; it has {', '.join(shapes)}"
         )
     file = _require_file(name, Path(path), WEIGHTS_FILE)
-    tensors = load_file(str(file))
+    tensors = _read_weights(name, file)
     pairs = _pair_tensors(name, file, tensors, config, num_layers)
     weights = {key: _checked_pair(name, file, key, a, b, config.rank, shapes[key[1]], dtype)
                for key, (a, b) in pairs.items()}
@@ -163,6 +166,21 @@ def _require_file(name: str, directory: Path, filename: str) -> Path:
         hint = " (save it with save_pretrained(..., safe_serialization=True))" if filename == WEIGHTS_FILE else ""
         raise AdapterError(f"LoRA adapter {name!r}: expected file {file} to exist, but it is missing{hint}")
     return file
+
+
+def _read_weights(name: str, file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:  # truncated, not safetensors, bad header
+        raise AdapterError(f"LoRA adapter {name!r} ({file}): expected a safetensors file, it is corrupt or "
+                           f"unreadable: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _pair_tensors(name, file, tensors, config: AdapterConfig, num_layers: int):
@@ -201,4 +219,8 @@ def _checked_pair(name, file, key, a, b, rank: int, shape: ProjectionShape, dtyp
             f"{where}: expected lora_A {list(expected_a)} and lora_B {list(expected_b)}, "
             f"got {list(a.shape)} and {list(b.shape)}"
         )
-    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    for tensor, label in ((a, "lora_A"), (b, "lora_B")):  # checked in the model dtype: fp16 overflow is inf
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{where}: {label} holds NaN or infinite values (in {dtype}); expected finite weights")
+    return a, b

@@ -90,6 +90,17 @@ class SpecWorker(ABC):
                              f"(request rows hold {room} positions past the context length)")
 
     @property
+    def positions_ahead(self) -> int:
+        """How far past the root (position num_cached) one step reads or writes positions: the
+        deepest draft node of a chain. An algorithm that drafts further overrides it."""
+        return self.num_draft_tokens - 1
+
+    def fits_context(self, req) -> bool:
+        """Whether a speculative step of `req` stays inside the context (positions < context_len);
+        the scheduler decodes one that does not plainly, one token per step."""
+        return req.num_cached + self.positions_ahead < self.runner.context_len
+
+    @property
     def slots_per_request(self) -> int:
         """KV slots one decode step of one request needs."""
         return self.num_draft_tokens

@@ -71,6 +71,11 @@ class EagleWorker(SpecWorker):
         self.graphs = None
         self._eager_inputs: WindowInputs | None = None
 
+    @property
+    def positions_ahead(self) -> int:
+        """The beam steps reach num_steps positions past the root, the verified tree as deep."""
+        return max(self.num_draft_tokens - 1, self.num_steps)
+
     def init_cuda_graphs(self) -> None:
         """Capture the steady-state draft as one graph per batch size, when the target runs graphs
         and the backends declare DRAFT_EXTEND and DECODE graphs."""

@@ -206,3 +206,28 @@ def test_tp2_equals_tp1_on_gpu_with_graphs():
     tp2_engine = Engine(**settings, tp_size=2)
     assert tp2_engine.runner.graph_runner is not None
     assert_same(tp1, serve(tp2_engine, PROMPTS))
+
+
+def test_ctrl_c_on_the_cli_stops_the_workers(monkeypatch, capsys):  # docs/reliability.md R65
+    """Ctrl-C reaches every process of the group: the workers ignore it, rank 0 exits with one
+    line and code 130 and stops them cleanly on the way out."""
+    from backplane.cli import main
+
+    seen = {}
+
+    def interrupted(self, *args, **kwargs):
+        worker = self.tp.workers.processes[1]
+        os.kill(worker.pid, signal.SIGINT)  # as a terminal's Ctrl-C would
+        time.sleep(0.5)
+        seen["alive_after_sigint"] = worker.is_alive()
+        seen["worker"] = worker
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    argv = ["generate", "--model", "tiny-llama", "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
+            "--input-ids", "5,6", "--max-new-tokens", "2"]
+    assert main(argv) == 130
+    assert capsys.readouterr().err == "backplane: interrupted\n"
+    assert seen["alive_after_sigint"]
+    seen["worker"].join(10)
+    assert seen["worker"].exitcode == 0

@@ -212,3 +212,22 @@ def test_bad_token_map_is_a_clear_error(target, exact_head, tmp_path):
         _engines(target[0], exact_head, speculative_token_map=str(tmp_path / "missing.pt"))
     with pytest.raises(ValueError, match="--speculative-token-map: only algorithms with a draft model"):
         Engine(str(target[0]), device="cpu", speculative_algorithm="ngram", speculative_token_map=str(bad))
+
+
+@pytest.mark.parametrize("steps, topk, draft_tokens", [(3, 1, 4), (2, 2, 4)])
+def test_drafts_stop_at_the_context_end(target, exact_head, steps, topk, draft_tokens):  # docs/reliability.md R54
+    """504 + 8 tokens on the 512-token context: near the end the request decodes plainly, and greedy
+    output equals plain output up to the last position."""
+    plain, eagle = _engines(target[0], exact_head, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                            speculative_num_draft_tokens=draft_tokens)
+    assert eagle.runner.context_len == 512
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 290) for _ in range(n)] for n in (504, 509, 12)]
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in (8, 3, 8)]
+    want = plain.generate(input_ids=prompts, sampling_params=params)
+    got = eagle.generate(input_ids=prompts, sampling_params=params)
+    for w, g in zip(want, got):
+        assert g.error is None and g.finish_reason == "length"
+        assert g.token_ids == w.token_ids
+    assert eagle.spec_worker.stats.mean_acceptance_length > 1  # the exact head's drafts were accepted
+    assert unused_slots(eagle) == 2048

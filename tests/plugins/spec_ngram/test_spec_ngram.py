@@ -95,3 +95,21 @@ def test_unknown_algorithm_and_lora_are_clear_errors(tmp_path):
         Engine("tiny-llama", device="cpu", attention_backend="torch_native", speculative_algorithm="medusa")
     with pytest.raises(ValueError, match="--speculative-algorithm ngram: does not support LoRA adapters"):
         Engine("tiny-llama", device="cpu", attention_backend="torch_native", speculative_algorithm="ngram", lora_paths=[f"a={tmp_path}"])
+
+
+def test_drafts_stop_at_the_context_end(plain):  # docs/reliability.md R54
+    """Prompts ending a few tokens before the 2048-token context: a request whose drafts would pass
+    the end decodes plainly, so greedy output equals plain output up to the last position."""
+    spec = Engine("tiny-llama", device="cpu", attention_backend="torch_native", max_total_tokens=4096,
+                  max_running_requests=16, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    motif = [11, 12, 13, 14]
+    prompts = [(motif * 600)[:2040], [(7 * i) % 500 + 3 for i in range(2045)], [5, 6, 7]]
+    params = [SamplingParams(max_new_tokens=m, **GREEDY) for m in (8, 3, 8)]
+    want = plain.generate(input_ids=prompts, sampling_params=params)
+    got = spec.generate(input_ids=prompts, sampling_params=params)
+    for w, g in zip(want, got):
+        assert g.error is None and g.finish_reason == "length"
+        assert g.token_ids == w.token_ids
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+    assert max(spec.spec_worker.stats.histogram) > 1  # the motif's drafts were accepted before the end
+    assert unused_slots(spec) == 4096
