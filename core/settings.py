@@ -51,14 +51,14 @@ class ServerArgs(BaseSettings):
     context_length: int | None = Field(None, ge=1, description="max tokens per request")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     # Backends
-    attention_backend: str = Field("auto", description="registered attention backend or auto")
+    attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
     decode_attention_backend: str | None = Field(None, description="default: --attention-backend")
     custom_ops: StrList = Field(default_factory=list, description="overrides such as rms_norm=native")
     strict_plugins: bool = Field(False, description="a plugin that fails to load is fatal")
     # LoRA
     lora_paths: StrList = Field(default_factory=list, description="adapters as name=path")
-    lora_backend: str = Field("auto", description="registered LoRA backend or auto")
+    lora_backend: str = Field("auto", description="registered LoRA backend (NAME or NAME@PLUGIN) or auto")
     max_loras_per_batch: int = Field(8, ge=1, description="adapter slots on the device")
     max_lora_rank: int | None = Field(None, ge=1, description="default: the largest adapter's rank")
     # Speculative decoding

@@ -229,7 +229,7 @@ class ModelRunner:
                                                self.attention_requirements(("decode",)), decode_flag),
         }
         prefill = self._make_backend(choices["prefill"])
-        same = choices["decode"].spec.name == choices["prefill"].spec.name
+        same = choices["decode"].spec is choices["prefill"].spec
         decode = prefill if same else self._make_backend(choices["decode"])
         return (prefill if same else HybridAttnBackend(prefill, decode)), choices
 
