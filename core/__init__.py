@@ -17,7 +17,7 @@ from backplane.plugin.registry import (
     ModelSpec,
     SpecAlgorithmSpec,
 )
-from backplane.settings import ServerArgs
+from backplane.settings import EngineArgs, ServerArgs  # ServerArgs: deprecated alias of EngineArgs
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ _LAZY = {
     "ForwardBatch": "backplane.executor.batch",
     "ForwardMode": "backplane.executor.batch",
     "AttentionBackend": "backplane.attention.base",
+    "capture_graph": "backplane.executor.graph_runner",
     "ReqToTokenPool": "backplane.executor.memory",
     "TokenToKVPool": "backplane.executor.memory",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "CustomOpImpl",
     "LoraBackendSpec",
     "ModelSpec",
+    "EngineArgs",
     "ServerArgs",
     "SpecAlgorithmSpec",
     "hookimpl",

@@ -1,4 +1,4 @@
-"""ServerArgs: the one typed settings model behind the CLI, the Python API and BACKPLANE_* env vars.
+"""EngineArgs: the one typed settings model behind the CLI, the Python API and BACKPLANE_* env vars.
 
 Every field is a kebab-case flag (`max_running_requests` -> `--max-running-requests`) and an env
 var (`BACKPLANE_MAX_RUNNING_REQUESTS`). Plugin option groups registered through
@@ -32,7 +32,7 @@ class SettingsError(ValueError):
     """A bad setting; the message is one line naming the flag, the env var, the value and what is allowed."""
 
 
-class ServerArgs(BaseSettings):
+class EngineArgs(BaseSettings):
     """Every option of the executor. See `backplane generate --help` for the flag of each."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
@@ -51,14 +51,14 @@ class ServerArgs(BaseSettings):
     context_length: int | None = Field(None, ge=1, description="max tokens per request")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     # Backends
-    attention_backend: str = Field("auto", description="registered attention backend or auto")
+    attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
     decode_attention_backend: str | None = Field(None, description="default: --attention-backend")
     custom_ops: StrList = Field(default_factory=list, description="overrides such as rms_norm=native")
     strict_plugins: bool = Field(False, description="a plugin that fails to load is fatal")
     # LoRA
     lora_paths: StrList = Field(default_factory=list, description="adapters as name=path")
-    lora_backend: str = Field("auto", description="registered LoRA backend or auto")
+    lora_backend: str = Field("auto", description="registered LoRA backend (NAME or NAME@PLUGIN) or auto")
     max_loras_per_batch: int = Field(8, ge=1, description="adapter slots on the device")
     max_lora_rank: int | None = Field(None, ge=1, description="default: the largest adapter's rank")
     # Speculative decoding
@@ -73,7 +73,9 @@ class ServerArgs(BaseSettings):
     cuda_graph_bs: IntList | None = Field(None, description="batch sizes to capture")
     cuda_graph_max_bs: int = Field(160, ge=1, description="largest batch size to capture")
     disable_cuda_graph: bool = Field(False, description="run decode eagerly")
-    disable_cuda_graph_padding: bool = Field(False, description="capture 1..32, 64, 128")
+    disable_cuda_graph_padding: bool = Field(
+        False, description="replay graphs only at exactly captured batch sizes (default ladder 1..32, 64, 128); "
+        "other sizes run eagerly")
     enable_torch_compile: bool = Field(False, description="torch.compile small batch sizes")
     torch_compile_max_bs: int = Field(32, ge=1, description="largest batch size to compile")
     # Memory and scheduling
@@ -134,6 +136,11 @@ class ServerArgs(BaseSettings):
         return self.plugin_options.get(group)
 
 
+# NOTE: deprecated name from before the HTTP server (whose own flags are ServeArgs); kept so code
+# written against it, in this tree (engine/, server/, speculative/ docstrings) and outside, still works.
+ServerArgs = EngineArgs
+
+
 def _split_pair(item: str, shape: str) -> tuple[str, str]:
     name, sep, value = item.partition("=")
     if not sep or not name or not value:
@@ -175,10 +182,10 @@ def format_validation_error(err: ValidationError, group: str | None = None, fiel
 
 
 def build_server_args(cli_values: dict[str, Any], group_models: dict[str, type] | None = None,
-                      group_values: dict[str, dict[str, Any]] | None = None) -> ServerArgs:
+                      group_values: dict[str, dict[str, Any]] | None = None) -> EngineArgs:
     """Validate CLI values over the environment; raise SettingsError with a one-line message."""
     try:
-        args = ServerArgs(**cli_values)
+        args = EngineArgs(**cli_values)
     except ValidationError as err:
         raise SettingsError(format_validation_error(err, fields=tuple(ServerArgs.model_fields))) from None
     args.plugin_options = build_plugin_options(group_models or {}, group_values or {})

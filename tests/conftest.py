@@ -1,4 +1,5 @@
-"""Shared test setup: the `gpu` marker skips without CUDA; fixture plugin packages install for real."""
+"""Shared test setup: fixture plugin packages install for real. (The `gpu` marker and its skip
+without CUDA come from backplane's pytest plugin, `backplane.testing.pytest_plugin`.)"""
 
 from __future__ import annotations
 
@@ -23,20 +24,14 @@ if not torch.cuda.is_available():
 def pytest_configure(config):
     import torch
 
+    if not config.pluginmanager.has_plugin("backplane"):  # a checkout installed before the pytest11 entry point
+        from backplane.testing import pytest_plugin
+
+        config.pluginmanager.register(pytest_plugin, "backplane")
+
     # The CPU tests run tiny models, for which one thread is far faster than several contending.
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
-
-
-def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on the GPU machine")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 def _pip(*args: str) -> None:
@@ -82,11 +77,11 @@ def example_plugin(fixture_packages):
 
 @pytest.fixture(scope="module")
 def bad_plugins(fixture_packages):
-    """`backplane-bad-plugins`: four broken plugins; tests pick one with BACKPLANE_PLUGINS.
+    """`backplane-bad-plugins`: broken plugins, one per way to fail; tests pick one with BACKPLANE_PLUGINS.
 
     Uninstalled again after the module, so no other test sees them."""
     fixture_packages.install("bad_plugins", "backplane-bad-plugins")
-    yield ("bad_import", "bad_register", "duplicate", "misspelt")
+    yield ("bad_import", "bad_register", "duplicate", "misspelt", "bad_syntax", "bad_args", "bad_spec")
     fixture_packages.uninstall("backplane-bad-plugins")
 
 

@@ -110,11 +110,7 @@ class BatchBuilder:
         """New tokens for each request of `reqs` after its cached prefix (EXTEND-like modes)."""
         prefix = [self.cached[r] for r in reqs]
         batch = self._build(mode, reqs, tokens, **extra)
-        lens = [len(t) for t in tokens]
-        batch.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=self.device)
-        batch.extend_seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
-        batch.extend_prefix_lens_cpu = torch.tensor(prefix, dtype=torch.int32)
-        batch.extend_seq_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        batch.set_extend_lens(prefix, [len(t) for t in tokens])
         return batch
 
     def decode(self, reqs: list[int], tokens: list[int], **extra) -> ForwardBatch:

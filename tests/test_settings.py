@@ -1,4 +1,4 @@
-"""ServerArgs: every flag by CLI and by env var, plugin option groups, one-line errors with exit 2."""
+"""EngineArgs: every flag by CLI and by env var, plugin option groups, one-line errors with exit 2."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from backplane.cli import main, parse_server_args
 from backplane.plugin.manager import load_plugins
-from backplane.settings import ServerArgs, SettingsError, env_name, flag_name
+from backplane.settings import EngineArgs, SettingsError, env_name, flag_name
 
 # One valid non-default value per field: (CLI words, env string, expected parsed value).
 SAMPLES = {
@@ -56,12 +56,12 @@ def plugin_set():
 
 
 def test_every_field_has_a_sample():
-    assert set(SAMPLES) == set(ServerArgs.model_fields) - {"plugin_options"}
+    assert set(SAMPLES) == set(EngineArgs.model_fields) - {"plugin_options"}
 
 
 @pytest.mark.parametrize("field", sorted(SAMPLES))
 def test_flag_by_cli(field, plugin_set, monkeypatch):
-    for name in ServerArgs.model_fields:
+    for name in EngineArgs.model_fields:
         monkeypatch.delenv(env_name(name), raising=False)
     words, _, expected = SAMPLES[field]
     args = parse_server_args([flag_name(field), *words], plugin_set)
@@ -141,3 +141,13 @@ def test_settings_error_type():
 
     with pytest.raises(SettingsError):
         build_server_args({"seed": "x"})
+
+
+def test_engine_arguments_group_and_the_deprecated_alias(capsys):
+    import backplane
+
+    assert backplane.ServerArgs is backplane.EngineArgs
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "engine arguments:" in out and "server arguments" not in out

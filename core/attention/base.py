@@ -12,7 +12,7 @@ Under CUDA graphs:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,9 +54,6 @@ class AttentionBackendContext:
     token_to_kv_pool: TokenToKVPool
     max_context_len: int
     options: Any = None  # the plugin's settings group (a pydantic model), if it registered one
-    server_args: Any = None
-    # Every attention layer of the model (window, soft-cap and scaling may differ per layer).
-    layers: list[AttentionLayerInfo] = field(default_factory=list)
 
 
 class AttentionBackend(ABC):

@@ -18,7 +18,7 @@ from backplane.attention.base import (
     AttentionLayerInfo,
 )
 from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.plugin.registry import AttentionBackendSpec
+from backplane.plugin.registry import ALL_MODES, AttentionBackendSpec
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,10 @@ SPEC = AttentionBackendSpec(
     factory=TorchNativeAttnBackend,
     description="plain PyTorch reference attention (any device, slow)",
     platforms=("cpu", "cuda"),
+    modes=ALL_MODES,
+    custom_mask=True,
+    sliding_window=True,
+    logit_softcap=True,
     priority=0,
     graph_modes=(),
 )

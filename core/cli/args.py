@@ -1,4 +1,4 @@
-"""Builds argparse flags from ServerArgs and the plugin option groups (the CLI is made from settings).
+"""Builds argparse flags from EngineArgs and the plugin option groups (the CLI is made from settings).
 
 Parsing is two-phase: the core flags that decide plugin loading (`--strict-plugins`) are read
 first, plugins are loaded, then the full parser (with every `--<group>.<option>`) is built.
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from backplane.settings import ServerArgs, env_name, flag_name
+from backplane.settings import EngineArgs, env_name, flag_name
 
 GROUP_SEP = "."
 
@@ -21,7 +21,7 @@ GROUP_SEP = "."
 def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], group: str | None = None,
                     skip: tuple[str, ...] = ("plugin_options",), title: str | None = None) -> None:
     """Add one flag per field of `model`; values stay strings/lists for pydantic to validate."""
-    section = parser.add_argument_group(title or (f"{group} (plugin options)" if group else "server arguments"))
+    section = parser.add_argument_group(title or (f"{group} (plugin options)" if group else "engine arguments"))
     for name, info in model.model_fields.items():
         if name in skip:
             continue
@@ -61,7 +61,7 @@ def split_namespace(ns: argparse.Namespace, groups: dict[str, type]) -> tuple[di
         if GROUP_SEP in key:
             group, _, field = key.partition(GROUP_SEP)
             grouped.setdefault(group, {})[field] = value
-        elif key in ServerArgs.model_fields:
+        elif key in EngineArgs.model_fields:
             core[key] = value
     return core, grouped
 

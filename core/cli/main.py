@@ -1,4 +1,4 @@
-"""The `backplane` command: `plugins`, `generate`, `bench` and `serve`, all built from ServerArgs."""
+"""The `backplane` command: `plugins`, `generate`, `bench` and `serve`, all built from EngineArgs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Callable
 
 from backplane.cli.args import add_model_flags, prescan_strict, split_namespace
 from backplane.plugin.manager import PluginLoadError, PluginSet, load_plugins
-from backplane.settings import ServerArgs, SettingsError, build_server_args
+from backplane.settings import EngineArgs, SettingsError, build_server_args
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
@@ -71,19 +71,19 @@ def build_parser(plugin_set: PluginSet) -> argparse.ArgumentParser:
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, plugin_set: PluginSet) -> None:
-    add_model_flags(parser, ServerArgs)
+    add_model_flags(parser, EngineArgs)
     for group, model in sorted(plugin_set.settings_groups().items()):
         add_model_flags(parser, model, group=group)
 
 
-def parse_server_args(argv: list[str], plugin_set: PluginSet) -> ServerArgs:
-    """Parse ServerArgs (and plugin groups) from flags as `backplane generate` would."""
+def parse_server_args(argv: list[str], plugin_set: PluginSet) -> EngineArgs:
+    """Parse EngineArgs (and plugin groups) from flags as `backplane generate` would."""
     ns = build_parser(plugin_set).parse_args(["generate", *argv])
     core, grouped = split_namespace(ns, plugin_set.settings_groups())
     return build_server_args(core, plugin_set.settings_groups(), grouped)
 
 
-def _settings_handler(run: Callable[[argparse.Namespace, ServerArgs, PluginSet], int]):
+def _settings_handler(run: Callable[[argparse.Namespace, EngineArgs, PluginSet], int]):
     def handler(ns: argparse.Namespace, plugin_set: PluginSet) -> int:
         core, grouped = split_namespace(ns, plugin_set.settings_groups())
         args = build_server_args(core, plugin_set.settings_groups(), grouped)

@@ -1,4 +1,4 @@
-"""The `serve` subcommand: ServerArgs (model, backends, plugin groups) plus ServeArgs (host, port, ...)."""
+"""The `serve` subcommand: EngineArgs (model, backends, plugin groups) plus ServeArgs (host, port, ...)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class WorkerConfig:
     world_size: int
     port: int
     backend: str  # of the tensor group: "nccl" on GPU, "gloo" on CPU
-    args: Any  # ServerArgs
+    args: Any  # EngineArgs
     extra_plugins: list[Any] = field(default_factory=list)  # plugin objects, or module names to import
     num_threads: int = 0  # torch's intra-op threads (0: torch's default)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))  # rank 0's, at start

@@ -113,8 +113,5 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
     )
     if extend is not None:
-        batch.extend_prefix_lens_cpu = torch.tensor(prefix, dtype=torch.int32)
-        batch.extend_seq_lens_cpu = torch.tensor(extend, dtype=torch.int32)
-        batch.extend_prefix_lens = batch.extend_prefix_lens_cpu.to(device)
-        batch.extend_seq_lens = batch.extend_seq_lens_cpu.to(device)
+        batch.set_extend_lens(prefix, extend)
     return batch

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -85,6 +85,13 @@ class ForwardBatch:
     @property
     def device(self) -> torch.device:
         return self.input_ids.device
+
+    def set_extend_lens(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
+        """Set extend_prefix_lens / extend_seq_lens ([batch_size] int32) and their host copies."""
+        self.extend_prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int32)
+        self.extend_seq_lens_cpu = torch.tensor(extend_lens, dtype=torch.int32)
+        self.extend_prefix_lens = self.extend_prefix_lens_cpu.to(self.device, non_blocking=True)
+        self.extend_seq_lens = self.extend_seq_lens_cpu.to(self.device, non_blocking=True)
 
     @property
     def tokens_per_request(self) -> int:

@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -63,6 +63,20 @@ def pool_bytes(pool) -> int:
 
 class GraphCaptureError(RuntimeError):
     pass
+
+
+def capture_graph(fn: Callable[[], Any], pool: Any = None, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run `fn` `warmup` times, then capture one call of it into a CUDA graph in memory pool `pool`
+    (None: a private pool). Returns the graph and what the captured call returned: the static
+    outputs that every replay overwrites."""
+    for _ in range(warmup):  # allocator, autotuning, lazy initialisation
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    torch.cuda.synchronize()
+    return graph, output
 
 
 @dataclass
@@ -238,14 +252,7 @@ class GraphRunner:
         batch.extra["logits_out"] = self.static_logits
         self.backend.init_metadata_for_capture(key, batch)
         forward = self._forward_fn(key)
-        for _ in range(2):  # warm up: allocator, autotuning, lazy initialisation
-            forward(batch)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=global_graph_pool()):
-            output = forward(batch)
-        torch.cuda.synchronize()
-        self.graphs[key], self.outputs[key] = graph, output
+        self.graphs[key], self.outputs[key] = capture_graph(lambda: forward(batch), global_graph_pool())
 
     def _forward_fn(self, key: GraphKey):
         if key.batch_size not in self.compile_sizes:
@@ -273,7 +280,7 @@ class GraphRunner:
         tpr = self.tokens_per_request[batch.forward_mode]
         if batch.num_tokens != batch.batch_size * tpr:
             return None
-        bs = padded_size(batch.batch_size, self.sizes)
+        bs = padded_size(batch.batch_size, self.sizes, allow_padding=not self.runner.args.disable_cuda_graph_padding)
         if bs is None:
             return None
         key = GraphKey(batch.forward_mode, bs, tpr, self.runner.graph_key_extras(batch))

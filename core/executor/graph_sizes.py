@@ -34,8 +34,11 @@ def capture_batch_sizes(args: Any, req_pool_size: int) -> tuple[list[int], list[
     return sizes, compiled
 
 
-def padded_size(batch_size: int, sizes: list[int]) -> int | None:
-    """The smallest captured size >= batch_size, or None when the batch is too large."""
+def padded_size(batch_size: int, sizes: list[int], allow_padding: bool = True) -> int | None:
+    """The smallest captured size >= batch_size, or None when the batch is too large. Without
+    padding (--disable-cuda-graph-padding) only an exactly captured size, else None (eager)."""
+    if not allow_padding:
+        return batch_size if batch_size in sizes else None
     i = bisect.bisect_left(sizes, batch_size)
     return sizes[i] if i < len(sizes) else None
 

@@ -1,4 +1,4 @@
-"""ModelRunner: builds the model, pools, custom ops and attention backend(s) from ServerArgs
+"""ModelRunner: builds the model, pools, custom ops and attention backend(s) from EngineArgs
 through the registry, and runs one forward pass (eagerly, or through the graph runner)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from backplane.models.base import ModelContext, ModelOutput
 from backplane.ops.dispatch import resolve_custom_ops
 from backplane.plugin.manager import PluginSet
 from backplane.plugin.selection import AttentionRequirements, Selection, select_attention_backend
-from backplane.settings import ServerArgs
+from backplane.settings import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ DEFAULT_REQ_POOL = {"cuda": 256, "cpu": 64}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(args: ServerArgs) -> torch.device:
+def resolve_device(args: EngineArgs) -> torch.device:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu or auto")
     if args.device == "auto":
@@ -39,7 +39,7 @@ def resolve_device(args: ServerArgs) -> torch.device:
     return torch.device(args.device)
 
 
-def resolve_dtype(args: ServerArgs, device: torch.device) -> torch.dtype:
+def resolve_dtype(args: EngineArgs, device: torch.device) -> torch.dtype:
     if args.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[args.dtype]
@@ -58,7 +58,7 @@ class ModelSource:
     path: Path | None
 
 
-def resolve_model_source(args: ServerArgs) -> ModelSource:
+def resolve_model_source(args: EngineArgs) -> ModelSource:
     from backplane.models.loader import load_hf_config
     from backplane.models.presets import PRESETS, get_preset
 
@@ -115,7 +115,7 @@ def _gib(size: int) -> str:
 class ModelRunner:
     """Owns the model and everything it runs on for one tensor-parallel rank."""
 
-    def __init__(self, args: ServerArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None):
+    def __init__(self, args: EngineArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None):
         self.args = args
         self.plugin_set = plugin_set
         self.registry = plugin_set.registry
@@ -276,26 +276,21 @@ class ModelRunner:
                                                self.attention_requirements(("decode",)), decode_flag),
         }
         prefill = self._make_backend(choices["prefill"])
-        same = choices["decode"].spec.name == choices["prefill"].spec.name
+        same = choices["decode"].spec is choices["prefill"].spec
         decode = prefill if same else self._make_backend(choices["decode"])
         return (prefill if same else HybridAttnBackend(prefill, decode)), choices
 
     def _make_backend(self, choice: Selection) -> AttentionBackend:
         info = self.layer_infos[0]
-        group = self._options_group_of(choice.plugin)
+        group = self.registry.options_group(choice.plugin)
         ctx = AttentionBackendContext(
             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
             num_layers=len(self.layer_infos), dtype=self.dtype, device=self.device,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             max_context_len=self.req_to_token_pool.max_context_len,
-            options=self.args.options_for(group) if group else None, server_args=self.args,
-            layers=list(self.layer_infos),
+            options=self.args.options_for(group) if group else None,
         )
         return choice.spec.factory(ctx)
-
-    def _options_group_of(self, plugin: str) -> str | None:
-        groups = [key for key, reg in self.registry.items["settings"].items() if reg.plugin == plugin]
-        return groups[0] if groups else None
 
     # -- running --------------------------------------------------------------------------------
 

@@ -54,7 +54,6 @@ class LoraBackendContext:
     max_bs: int
     max_num_tokens: int
     options: Any = None
-    server_args: Any = None
 
     @property
     def num_slots(self) -> int:

@@ -71,12 +71,12 @@ class LoraManager:
         args = runner.args
         max_bs = runner.req_to_token_pool.size  # every request row, the graph padding row included
         per_request = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-        group = runner._options_group_of(self.selection.plugin)
+        group = runner.registry.options_group(self.selection.plugin)
         return LoraBackendContext(
             device=runner.device, dtype=runner.dtype, max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_rank, max_bs=max_bs,
             max_num_tokens=max(args.chunked_prefill_size, max_bs * per_request),
-            options=args.options_for(group) if group else None, server_args=args,
+            options=args.options_for(group) if group else None,
         )
 
     def projection_shapes(self) -> dict[str, ProjectionShape]:

@@ -6,6 +6,7 @@ For each op the highest-priority usable implementation registered for the platfo
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -14,6 +15,7 @@ from backplane.ops.native import NATIVE_OPS
 from backplane.plugin.registry import CustomOpImpl
 
 NATIVE = "native"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,14 @@ def _pick(op: str, candidates: list[CustomOpImpl], platform: str, override: str 
     if override is not None:
         return _pick_override(op, candidates, platform, override)
     usable = [impl for impl in candidates if impl.available() is None]
-    if not usable:
-        return NATIVE, NATIVE_OPS[op]
-    best = max(usable, key=lambda impl: (impl.priority, impl.name == NATIVE, impl.name))
-    return best.name, best.fn
+    best = max(usable, key=lambda impl: (impl.priority, impl.name == NATIVE, impl.name), default=None)
+    name, fn = (best.name, best.fn) if best is not None else (NATIVE, NATIVE_OPS[op])
+    passed = [impl for impl in candidates if impl not in usable and (best is None or impl.priority > best.priority)]
+    if passed:  # a preferred implementation cannot run here: say so instead of falling back silently
+        logger.warning("custom op %s on %s: using %s because %s", op, platform, name,
+                       "; ".join(f"{impl.name} (priority {impl.priority}) cannot run: {impl.available()}"
+                                 for impl in passed))
+    return name, fn
 
 
 def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name: str) -> tuple[str, Callable]:

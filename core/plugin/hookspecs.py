@@ -107,6 +107,6 @@ def backplane_configure(settings: Any) -> None:
     plugin registered later still receives the call).
     Must: validate cross-option constraints and raise ``ValueError`` with a one-line message
     naming the option when the settings cannot work with this plugin; may log warnings.
-    Params: settings -- the final ``ServerArgs`` (read-only by convention).
+    Params: settings -- the final ``EngineArgs`` (read-only by convention).
     Semantics: called on every plugin; return values are ignored.
     """

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from backplane.plugin.manager import PluginSet
+from backplane.plugin.registry import Registered, Registry
+from backplane.plugin.selection import availability_reasons
 
 
 def current_platform() -> str:
@@ -13,28 +15,37 @@ def current_platform() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _backend_status(kind: str, spec: Any, platform: str) -> dict[str, Any]:
-    reasons = [] if spec.available() is None else [spec.available()]
-    if platform not in spec.platforms:
-        reasons.append(f"platform {platform!r} not supported (supports: {', '.join(spec.platforms)})")
-    entry = {"name": spec.name, "description": spec.description, "priority": spec.priority,
-             "platforms": list(spec.platforms), "usable": not reasons, "reasons": reasons}
-    if reasons and spec.install_hint and spec.available() is not None:
-        entry["install"] = spec.install_hint
+def _capabilities(kind: str, spec: Any) -> dict[str, Any]:
+    """The capabilities a backend declares (see the spec dataclasses for each default)."""
+    caps: dict[str, Any] = {"platforms": list(spec.platforms), "dtypes": list(spec.dtypes)}
     if kind == "attention":
-        entry.update(modes=list(spec.modes), graph_modes=list(spec.graph_modes),
-                     head_dims=list(spec.head_dims) if spec.head_dims else "any")
+        caps.update(modes=list(spec.modes), graph_modes=list(spec.graph_modes),
+                    head_dims=list(spec.head_dims) if spec.head_dims else "any", custom_mask=spec.custom_mask,
+                    sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap,
+                    seq_len_fill_value=spec.seq_len_fill_value)
+    else:
+        caps.update(max_rank=spec.max_rank if spec.max_rank is not None else "any", supports_graph=spec.supports_graph)
+    return caps
+
+
+def _backend_status(kind: str, reg: Registered, registry: Registry, platform: str) -> dict[str, Any]:
+    spec = reg.item
+    reasons = availability_reasons(spec, platform)
+    shared = [other.plugin for other in registry.registrations(kind, spec.name) if other is not reg]
+    entry = {"name": spec.name, "plugin": reg.plugin, "distribution": reg.distribution,
+             "description": spec.description, "priority": spec.priority, "usable": not reasons,
+             "reasons": reasons, "install": spec.install_hint or None, **_capabilities(kind, spec)}
+    if shared:
+        entry["shared_with"] = shared
+        entry["select_as"] = f"{spec.name}@{reg.plugin}"
     return entry
 
 
 def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
     platform = current_platform()
     registry = plugin_set.registry
-    backends = {
-        kind: [_backend_status(kind, spec, platform) | {"plugin": registry.provenance(kind, name).plugin}
-               for name, spec in sorted(registry.specs(kind).items())]
-        for kind in ("attention", "lora")
-    }
+    backends = {kind: [_backend_status(kind, reg, registry, platform) for reg in registry.registrations(kind)]
+                for kind in ("attention", "lora")}
     return {
         "platform": platform,
         "plugins": [vars(info) | {} for info in plugin_set.plugins],
@@ -48,6 +59,19 @@ def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
     }
 
 
+def _format_capabilities(b: dict[str, Any]) -> str:
+    parts = [f"dtypes {','.join(b['dtypes'])}"]
+    if "modes" in b:
+        head_dims = b["head_dims"] if b["head_dims"] == "any" else ",".join(map(str, b["head_dims"]))
+        parts += [f"modes {','.join(b['modes'])}", f"graphs {','.join(b['graph_modes']) or '-'}",
+                  f"head dims {head_dims}"]
+        parts += [f"{label} {'yes' if b[key] else 'no'}" for key, label in (
+            ("custom_mask", "custom mask"), ("sliding_window", "sliding window"), ("logit_softcap", "soft-cap"))]
+    else:
+        parts += [f"max rank {b['max_rank']}", f"graphs {'yes' if b['supports_graph'] else 'no'}"]
+    return "; ".join(parts)
+
+
 def format_plugins(report: dict[str, Any]) -> str:
     lines = [f"platform: {report['platform']}", "", "plugins:"]
     for p in report["plugins"]:
@@ -58,7 +82,14 @@ def format_plugins(report: dict[str, Any]) -> str:
         lines += ["", f"{title}:"]
         for b in report[key]:
             state = "usable" if b["usable"] else "unusable: " + "; ".join(b["reasons"])
-            lines.append(f"  {b['name']:<14} prio {b['priority']:<4} plugin {b['plugin']:<22} {state}")
+            name = b.get("select_as", b["name"])
+            lines.append(f"  {name:<14} prio {b['priority']:<4} plugin {b['plugin']:<22} {state}")
+            lines.append(f"  {'':<14} {_format_capabilities(b)}")
+            if b["install"] and not b["usable"]:
+                lines.append(f"  {'':<14} install: {b['install']}")
+            if "shared_with" in b:
+                lines.append(f"  {'':<14} name also registered by {', '.join(b['shared_with'])}: "
+                             f"select it as {b['select_as']}")
     for title, key in (("speculative algorithms", "spec_algorithms"), ("models", "models"),
                        ("settings groups", "settings_groups")):
         lines.append(f"\n{title}: {', '.join(report[key]) or '-'}")

@@ -18,15 +18,28 @@ def _always_available() -> str | None:
     return None
 
 
+# What a backend that does not say otherwise serves. TARGET_VERIFY is left out: it attends under
+# the draft tree's custom mask, which a backend must declare (custom_mask=True) before it may claim it.
+DEFAULT_MODES = ("extend", "decode", "draft_extend")
+
+
 @dataclass(frozen=True)
 class AttentionBackendSpec:
-    """An attention backend.
+    """An attention backend: a lazy factory and the capabilities it declares.
 
     factory(ctx: AttentionBackendContext) -> AttentionBackend, importing heavy modules lazily.
-    head_dims: the supported head dims, or None for any.
-    modes / graph_modes: forward modes served, and those that may run inside a CUDA graph.
-    seq_len_fill_value: what the graph runner writes into seq_lens of padded requests.
-    available(): None when usable here, else the reason (a missing dependency, say).
+    Every default is the one that cannot give wrong output when a backend forgets to declare it
+    (docs/plugins.md, "Spec defaults", lists them):
+      platforms: ("cpu", "cuda"); dtypes: all three (an unsupported one fails loudly, not silently).
+      head_dims: None, any head dim.
+      modes: DEFAULT_MODES (extend, decode, draft_extend); add "target_verify" only with custom_mask.
+      graph_modes: () - nothing runs inside a CUDA graph unless declared.
+      custom_mask, sliding_window, logit_softcap: False - a backend that ignored the mask, the
+        window or the cap would return wrong attention, so selection refuses it for such models.
+      seq_len_fill_value: 1, what the graph runner writes into seq_lens of padded requests.
+      priority: 0 (`auto` takes the highest; equal priorities go by name, then plugin name).
+      available(): None when usable here, else the reason (a missing dependency, say); default: always.
+      install_hint: "" - what to run when available() gives a reason (shown with it).
     """
 
     name: str
@@ -35,11 +48,11 @@ class AttentionBackendSpec:
     platforms: tuple[str, ...] = PLATFORMS
     dtypes: tuple[str, ...] = ALL_DTYPES
     head_dims: tuple[int, ...] | None = None
-    modes: tuple[str, ...] = ALL_MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     graph_modes: tuple[str, ...] = ()
-    custom_mask: bool = True
-    sliding_window: bool = True
-    logit_softcap: bool = True
+    custom_mask: bool = False
+    sliding_window: bool = False
+    logit_softcap: bool = False
     seq_len_fill_value: int = 1
     priority: int = 0
     available: Callable[[], str | None] = _always_available
@@ -48,7 +61,11 @@ class AttentionBackendSpec:
 
 @dataclass(frozen=True)
 class LoraBackendSpec:
-    """A LoRA backend. factory(ctx: LoraBackendContext) -> LoraBackend."""
+    """A LoRA backend. factory(ctx: LoraBackendContext) -> LoraBackend.
+
+    Defaults: platforms and dtypes all; max_rank None (any); supports_graph False (eager only
+    unless declared); priority 0; available() always; install_hint "".
+    """
 
     name: str
     factory: Callable[..., Any]
@@ -120,31 +137,51 @@ class RegistrationError(ValueError):
     """A plugin registered something invalid (wrong type, duplicate name, unknown op)."""
 
 
-_KIND_TYPES = {
-    "attention": AttentionBackendSpec,
-    "lora": LoraBackendSpec,
-    "spec": SpecAlgorithmSpec,
-    "model": ModelSpec,
-}
+@dataclass(frozen=True)
+class PluginKind:
+    """One kind of thing plugins register: its spec type, how messages name it, its hook, its key.
+
+    pinnable: the kind is chosen by a flag (`--attention-backend`, `--lora-backend`), so two plugins
+    may register the same name and the user pins one with NAME@PLUGIN; for the other kinds a
+    second registration of a key is a RegistrationError.
+    """
+
+    name: str
+    spec_type: type
+    label: str
+    hook: str
+    key: Callable[[Any], str]
+    pinnable: bool = False
 
 
-def _spec_key(kind: str, item: Any) -> str:
-    if kind == "model":
-        return item.architecture
-    if kind == "custom_op":
-        return f"{item.op}/{item.platform}/{item.name}"
-    if kind == "settings":
-        return item.group
-    return item.name
+KINDS: dict[str, PluginKind] = {kind.name: kind for kind in (
+    PluginKind("attention", AttentionBackendSpec, "attention backend", "backplane_register_attention_backends",
+               lambda spec: spec.name, pinnable=True),
+    PluginKind("lora", LoraBackendSpec, "LoRA backend", "backplane_register_lora_backends",
+               lambda spec: spec.name, pinnable=True),
+    PluginKind("custom_op", CustomOpImpl, "custom op implementation", "backplane_register_custom_ops",
+               lambda impl: f"{impl.op}/{impl.platform}/{impl.name}"),
+    PluginKind("spec", SpecAlgorithmSpec, "speculative algorithm", "backplane_register_spec_algorithms",
+               lambda spec: spec.name),
+    PluginKind("model", ModelSpec, "model architecture", "backplane_register_models",
+               lambda spec: spec.architecture),
+    PluginKind("settings", SettingsGroup, "settings group", "backplane_register_settings",
+               lambda group: group.group),
+)}
 
 
 class Registry:
-    """Everything the loaded plugins registered, keyed by kind and name, with provenance."""
+    """Everything the loaded plugins registered, keyed by kind and name, with provenance.
+
+    items[kind][key]: the first registration of each key. shared[kind][key]: every registration of
+    a pinnable key that more than one plugin registered (selection then needs NAME@PLUGIN).
+    not_loaded: plugin name -> why it is not loaded (filtered out, failed), for selection errors.
+    """
 
     def __init__(self) -> None:
-        self.items: dict[str, dict[str, Registered]] = {
-            kind: {} for kind in ("attention", "lora", "custom_op", "spec", "model", "settings")
-        }
+        self.items: dict[str, dict[str, Registered]] = {kind: {} for kind in KINDS}
+        self.shared: dict[str, dict[str, list[Registered]]] = {kind: {} for kind in KINDS}
+        self.not_loaded: dict[str, str] = {}
 
     # -- register callbacks -------------------------------------------------------------------
 
@@ -158,14 +195,18 @@ class Registry:
 
     def _add(self, kind: str, item: Any, plugin: str, distribution: str | None) -> None:
         self._validate(kind, item, plugin)
-        key = _spec_key(kind, item)
+        key = KINDS[kind].key(item)
+        new = Registered(item, plugin, distribution)
         existing = self.items[kind].get(key)
-        if existing is not None:
+        if existing is None:
+            self.items[kind][key] = new
+        elif KINDS[kind].pinnable and existing.plugin != plugin:
+            self.shared[kind].setdefault(key, [existing]).append(new)
+        else:
             raise RegistrationError(
-                f"{_KIND_LABEL[kind]} {key!r} registered twice: by plugin {existing.plugin!r} "
+                f"{KINDS[kind].label} {key!r} registered twice: by plugin {existing.plugin!r} "
                 f"and by plugin {plugin!r}"
             )
-        self.items[kind][key] = Registered(item, plugin, distribution)
 
     def _validate(self, kind: str, item: Any, plugin: str) -> None:
         if kind == "custom_op":
@@ -173,10 +214,10 @@ class Registry:
         elif kind == "settings":
             _validate_settings_group(item, plugin)
         else:
-            expected = _KIND_TYPES[kind]
+            expected = KINDS[kind].spec_type
             if not isinstance(item, expected):
                 raise RegistrationError(
-                    f"plugin {plugin!r} registered a {type(item).__name__} as {_KIND_LABEL[kind]}; "
+                    f"plugin {plugin!r} registered a {type(item).__name__} as {KINDS[kind].label}; "
                     f"expected {expected.__name__}"
                 )
             if kind in ("attention", "lora"):
@@ -184,9 +225,16 @@ class Registry:
 
     def remove_plugin(self, plugin: str) -> None:
         """Forget everything `plugin` registered (its register hook failed part-way)."""
-        for entries in self.items.values():
+        for kind, entries in self.items.items():
             for key in [k for k, reg in entries.items() if reg.plugin == plugin]:
                 del entries[key]
+            for key, regs in list(self.shared[kind].items()):
+                kept = [reg for reg in regs if reg.plugin != plugin]
+                entries[key] = kept[0]
+                if len(kept) > 1:
+                    self.shared[kind][key] = kept
+                else:
+                    del self.shared[kind][key]
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -196,20 +244,21 @@ class Registry:
     def provenance(self, kind: str, key: str) -> Registered:
         return self.items[kind][key]
 
+    def registrations(self, kind: str, key: str | None = None) -> list[Registered]:
+        """Every registration of `kind` (of `key` only, when given), shared names included."""
+        keys = [key] if key is not None else sorted(self.items[kind])
+        return [reg for k in keys if k in self.items[kind]
+                for reg in self.shared[kind].get(k, [self.items[kind][k]])]
+
+    def options_group(self, plugin: str) -> str | None:
+        """The settings group `plugin` registered (its options reach its factories), or None."""
+        groups = [key for key, reg in self.items["settings"].items() if reg.plugin == plugin]
+        return groups[0] if groups else None
+
     def iter_all(self) -> Iterator[tuple[str, str, Registered]]:
-        for kind, entries in self.items.items():
-            for key, reg in entries.items():
-                yield kind, key, reg
-
-
-_KIND_LABEL = {
-    "attention": "attention backend",
-    "lora": "LoRA backend",
-    "custom_op": "custom op implementation",
-    "spec": "speculative algorithm",
-    "model": "model architecture",
-    "settings": "settings group",
-}
+        for kind in self.items:
+            for reg in self.registrations(kind):
+                yield kind, KINDS[kind].key(reg.item), reg
 
 
 def _validate_backend_spec(spec: Any, plugin: str) -> None:
@@ -228,6 +277,9 @@ def _validate_backend_spec(spec: Any, plugin: str) -> None:
         bad = [m for m in (*spec.modes, *spec.graph_modes) if m not in ALL_MODES]
         if bad:
             raise RegistrationError(f"{where}: unknown mode {bad[0]!r}; expected one of {ALL_MODES}")
+        if "target_verify" in spec.modes and not spec.custom_mask:
+            raise RegistrationError(f"{where}: declares mode 'target_verify' without custom_mask=True; "
+                                    "a verify pass attends under the draft tree's mask")
 
 
 def _validate_custom_op(impl: Any, plugin: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, Registry
+from backplane.plugin.registry import KINDS, AttentionBackendSpec, LoraBackendSpec, Registered, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,20 @@ def lora_unusable_reasons(spec: LoraBackendSpec, req: LoraRequirements) -> list[
     return reasons
 
 
-def _common_reasons(spec, platform: str, dtype: str) -> list[str]:
+def availability_reasons(spec, platform: str) -> list[str]:
+    """Why `spec` cannot run on `platform` whatever the model: its `available()` reason (a missing
+    dependency) and an unsupported platform. Selection and `backplane plugins` both use this."""
     reasons = []
     why = spec.available()
     if why:
         reasons.append(why)
     if platform not in spec.platforms:
         reasons.append(f"platform {platform!r} not supported (supports: {_join(spec.platforms)})")
+    return reasons
+
+
+def _common_reasons(spec, platform: str, dtype: str) -> list[str]:
+    reasons = availability_reasons(spec, platform)
     if dtype not in spec.dtypes:
         reasons.append(f"dtype {dtype} not supported (supports: {_join(spec.dtypes)})")
     return reasons
@@ -90,7 +97,7 @@ def _join(values) -> str:
 def select_attention_backend(
     registry: Registry, name: str, req: AttentionRequirements, flag: str = "--attention-backend"
 ) -> Selection:
-    """Resolve `name` (a registered name or `auto`) for `req`; raise SelectionError when impossible."""
+    """Resolve `name` (NAME, NAME@PLUGIN or `auto`) for `req`; raise SelectionError when impossible."""
     return _select(registry, "attention", name, lambda s: attention_unusable_reasons(s, req), flag, req)
 
 
@@ -101,47 +108,97 @@ def select_lora_backend(
 
 
 def _select(registry: Registry, kind: str, name: str, check, flag: str, req) -> Selection:
-    specs = registry.specs(kind)
     if name == AUTO:
-        return _select_auto(registry, kind, specs, check, flag, req)
-    require_known(registry, kind, name, flag)
-    reasons = check(specs[name])
-    plugin = registry.provenance(kind, name).plugin
+        return _select_auto(registry, kind, check, flag, req)
+    chosen = resolve(registry, kind, name, flag)
+    spec = chosen.item
+    reasons = check(spec)
     if reasons:
-        hint = specs[name].install_hint
-        usable = sorted(n for n, s in specs.items() if not check(s))
+        usable = sorted(_pinned(reg, registry, kind) for reg in registry.registrations(kind) if not check(reg.item))
         raise SelectionError(
-            f"{flag} {name} (plugin {plugin!r}) cannot run here: {'; '.join(reasons)}."
-            + (f" To fix: {hint}." if hint and specs[name].available() else "")
+            f"{flag} {name} (plugin {chosen.plugin!r}) cannot run here: {'; '.join(reasons)}."
+            + (f" To fix: {spec.install_hint}." if spec.install_hint and spec.available() else "")
             + f" Usable here: {_join(usable) or 'none'}"
         )
-    return Selection(specs[name], plugin, f"{name} chosen explicitly by {flag}")
+    return Selection(spec, chosen.plugin, f"{name} chosen explicitly by {flag}")
+
+
+def resolve(registry: Registry, kind: str, name: str, flag: str) -> Registered:
+    """The registration `name` refers to: NAME, or NAME@WHO where WHO is the plugin (entry-point
+    name) or the distribution that registered it. Unknown, or registered by several plugins and
+    not pinned: SelectionError naming every candidate and how to pin one."""
+    base, _, who = name.partition("@")
+    candidates = registry.registrations(kind, base)
+    if not candidates:
+        raise SelectionError(
+            f"{flag}: unknown backend {base!r}; registered: {_listing(registry, kind)}, or 'auto'"
+            + _not_loaded(registry)
+        )
+    if who:
+        pinned = [reg for reg in candidates if who in (reg.plugin, reg.distribution)]
+        if not pinned:
+            raise SelectionError(
+                f"{flag} {name}: no plugin or distribution {who!r} registered {KINDS[kind].label} {base!r}; "
+                f"it is registered by {_by(candidates)}"
+            )
+        candidates = pinned
+    if len(candidates) > 1:
+        raise SelectionError(_ambiguity(kind, base, candidates, flag))
+    return candidates[0]
 
 
 def require_known(registry: Registry, kind: str, name: str, flag: str) -> None:
-    """Raise SelectionError listing every registered backend when `name` is neither one nor auto."""
-    if name != AUTO and name not in registry.specs(kind):
-        raise SelectionError(
-            f"{flag}: unknown backend {name!r}; registered: {_listing(registry, kind)}, or 'auto'"
-        )
+    """Raise SelectionError when `name` is neither `auto` nor one registration (see `resolve`)."""
+    if name != AUTO:
+        resolve(registry, kind, name, flag)
 
 
-def _select_auto(registry: Registry, kind: str, specs: dict, check, flag: str, req) -> Selection:
+def _select_auto(registry: Registry, kind: str, check, flag: str, req) -> Selection:
+    # NOTE: equal priorities are broken by name, then by plugin name (alphabetical), so `auto`
+    # never depends on installation or entry-point order.
     skipped = []
-    for spec in sorted(specs.values(), key=lambda s: (-s.priority, s.name)):
+    for reg in sorted(registry.registrations(kind), key=lambda r: (-r.item.priority, r.item.name, r.plugin)):
+        spec = reg.item
         reasons = check(spec)
         if not reasons:
-            plugin = registry.provenance(kind, spec.name).plugin
-            why = f"{spec.name} chosen by {flag} auto (priority {spec.priority}, plugin {plugin!r})"
+            shared = registry.registrations(kind, spec.name)
+            if len(shared) > 1:
+                raise SelectionError(_ambiguity(kind, spec.name, shared, f"{flag} auto"))
+            why = f"{spec.name} chosen by {flag} auto (priority {spec.priority}, plugin {reg.plugin!r})"
             if skipped:
                 why += "; skipped " + "; ".join(skipped)
             logger.info(why)
-            return Selection(spec, plugin, why)
+            return Selection(spec, reg.plugin, why)
         skipped.append(f"{spec.name}: {', '.join(reasons)}")
     raise SelectionError(
         f"{flag} auto: no registered backend can run {_describe(req)}; "
         + ("; ".join(skipped) if skipped else "none is registered")
     )
+
+
+def _ambiguity(kind: str, name: str, candidates: list[Registered], flag: str) -> str:
+    pins = " or ".join(f"{name}@{reg.plugin}" for reg in candidates)
+    return (f"{flag}: {KINDS[kind].label} {name!r} is registered by {len(candidates)} plugins: "
+            f"{_by(candidates)}; pin one with {flag.split()[0]} {pins}")
+
+
+def _by(candidates: list[Registered]) -> str:
+    return " and ".join(f"plugin {reg.plugin!r}" + (f" (distribution {reg.distribution})" if reg.distribution else "")
+                        for reg in candidates)
+
+
+def _pinned(reg: Registered, registry: Registry, kind: str) -> str:
+    """How a user names `reg` on the command line: NAME, or NAME@PLUGIN when the name is shared."""
+    name = reg.item.name
+    return f"{name}@{reg.plugin}" if len(registry.registrations(kind, name)) > 1 else name
+
+
+def _not_loaded(registry: Registry) -> str:
+    """The installed plugins that did not load, grouped by why (the backend may be theirs)."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in sorted(registry.not_loaded.items()):
+        by_reason.setdefault(why, []).append(name)
+    return "".join(f". Not loaded, {why}: {', '.join(names)}" for why, names in by_reason.items())
 
 
 def _describe(req) -> str:
@@ -151,6 +208,4 @@ def _describe(req) -> str:
 
 
 def _listing(registry: Registry, kind: str) -> str:
-    return ", ".join(
-        f"{key} (plugin {reg.plugin!r})" for key, reg in sorted(registry.items[kind].items())
-    )
+    return ", ".join(f"{KINDS[kind].key(reg.item)} (plugin {reg.plugin!r})" for reg in registry.registrations(kind))

@@ -48,15 +48,14 @@ def make_attention_backend(runner: Any, role: str, req_to_token_pool, token_to_k
     if role not in runner.attn_choices:
         raise ValueError(f"attention role: expected one of {sorted(runner.attn_choices)}, got {role!r}")
     choice = runner.attn_choices[role]
-    group = runner._options_group_of(choice.plugin)
+    group = runner.registry.options_group(choice.plugin)
     info = layers[0]
     ctx = AttentionBackendContext(
         num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
         num_layers=len(layers), dtype=runner.dtype, device=runner.device,
         req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
         max_context_len=req_to_token_pool.max_context_len,
-        options=runner.args.options_for(group) if group else None, server_args=runner.args,
-        layers=list(layers),
+        options=runner.args.options_for(group) if group else None,
     )
     return choice.spec.factory(ctx)
 

@@ -126,10 +126,7 @@ class Harness:
             out_cache_loc=torch.cat(locs).to(dev), req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
         )
         if mode is not ForwardMode.DECODE:
-            batch.extend_prefix_lens_cpu = torch.tensor(c.prefix, dtype=torch.int32)
-            batch.extend_seq_lens_cpu = torch.tensor(c.new, dtype=torch.int32)
-            batch.extend_prefix_lens = batch.extend_prefix_lens_cpu.to(dev)
-            batch.extend_seq_lens = batch.extend_seq_lens_cpu.to(dev)
+            batch.set_extend_lens(c.prefix, c.new)
         if c.tree_mask:
             batch.custom_mask, batch.mask_indptr = self.tree_mask()
         return batch
@@ -156,7 +153,7 @@ class Harness:
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
             num_layers=self.kv_pool.num_layers, dtype=self.dtype, device=self.device,
             req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
-            max_context_len=self.req_pool.max_context_len, options=options, layers=[self.layer()])
+            max_context_len=self.req_pool.max_context_len, options=options)
 
     def layer(self) -> AttentionLayerInfo:
         c = self.case

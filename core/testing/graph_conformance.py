@@ -12,7 +12,7 @@ import torch
 
 from backplane.attention.base import AttentionLayerInfo
 from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.graph_runner import StaticInputs, pad_into
+from backplane.executor.graph_runner import StaticInputs, capture_graph, pad_into
 from backplane.executor.graph_sizes import GraphKey, padded_size
 from backplane.testing.attention_conformance import TOLERANCE, Case, Harness
 
@@ -75,12 +75,8 @@ def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps
         batch = pad_into(static, world.step_batch(1, T), key, world.pad_row, fill)
         backend.init_metadata_for_capture(key, batch)
         n = bs * T
-        for _ in range(2):
-            backend.forward(q[:n], kv[0, :n], kv[1, :n], layer, batch)
-        torch.cuda.synchronize()
-        graphs[key] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[key]):
-            outs[key] = backend.forward(q[:n], kv[0, :n], kv[1, :n], layer, batch)
+        graphs[key], outs[key] = capture_graph(lambda n=n, batch=batch: backend.forward(
+            q[:n], kv[0, :n], kv[1, :n], layer, batch))
     worst, rng = 0.0, random.Random(seed)
     for _ in range(steps):
         real = world.step_batch(rng.randint(1, max_bs), T)

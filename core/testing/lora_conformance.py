@@ -202,13 +202,9 @@ def check_graph(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0
 
 def _capture(body):
     """Warm up, capture `body` in a CUDA graph and return its replay."""
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    torch.cuda.synchronize()
-    return graph.replay
+    from backplane.executor.graph_runner import capture_graph
+
+    return capture_graph(body, warmup=1)[0].replay
 
 
 def applicable(spec, case: Case, device: str, dtype: torch.dtype) -> str | None:

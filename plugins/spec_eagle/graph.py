@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from backplane import ForwardBatch
+from backplane import ForwardBatch, capture_graph
 from backplane.speculative import graph_pool, padded_size
 
 from .beams import Candidates
@@ -58,14 +58,7 @@ class DraftGraphRunner:
     def _capture_one(self, bs: int) -> None:
         self.inputs.load([], None, bs)  # padding only
         self._refresh(bs, capture=True)
-        for _ in range(2):  # warm up
-            self._run(bs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._run(bs)
-        torch.cuda.synchronize()
-        self.graphs[bs], self.outputs[bs] = graph, out
+        self.graphs[bs], self.outputs[bs] = capture_graph(lambda: self._run(bs), self.pool)
 
     def _refresh(self, bs: int, capture: bool = False) -> None:
         """Bind (capture) or refresh (replay) the extend's and every beam step's attention metadata."""

@@ -235,10 +235,7 @@ def _extend_batch(reqs, input_ids, positions, rows, starts, lens, slots, mem: Dr
     batch = ForwardBatch(ForwardMode.DRAFT_EXTEND, len(reqs), torch.tensor(input_ids, device=device),
                          positions.to(device), rows.to(device), seq_cpu.to(device), seq_cpu,
                          slots.to(torch.int64), mem.req_pool, mem.kv_pool)
-    batch.extend_prefix_lens_cpu = torch.tensor(starts, dtype=torch.int32)
-    batch.extend_seq_lens_cpu = torch.tensor(lens, dtype=torch.int32)
-    batch.extend_prefix_lens = batch.extend_prefix_lens_cpu.to(device)
-    batch.extend_seq_lens = batch.extend_seq_lens_cpu.to(device)
+    batch.set_extend_lens(starts, lens)
     return batch
 
 

@@ -10,7 +10,7 @@ import torch
 
 from backplane import Engine
 from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.graph_runner import StaticInputs, pad_into
+from backplane.executor.graph_runner import GraphRunner, StaticInputs, pad_into
 from backplane.executor.graph_sizes import (
     DEFAULT_SIZES,
     GraphKey,
@@ -64,6 +64,20 @@ def test_torch_compile_sizes():
 def test_padded_size():
     assert [padded_size(b, DEFAULT_SIZES) for b in (1, 3, 5, 9, 160)] == [1, 4, 8, 16, 160]
     assert padded_size(161, DEFAULT_SIZES) is None
+
+
+@pytest.mark.parametrize("padding", [True, False])
+def test_without_padding_only_exact_sizes_replay(padding):
+    sizes = capture_batch_sizes(flags(disable_cuda_graph_padding=not padding), 256)[0]
+    got = [padded_size(b, sizes, allow_padding=padding) for b in (1, 32, 33, 64, 100, 128)]
+    assert got == ([1, 32, 40, 64, 104, 128] if padding else [1, 32, None, 64, None, 128])
+    # The runner asks for exact sizes under the flag: a batch of 33 has no graph and runs eagerly.
+    runner = GraphRunner.__new__(GraphRunner)
+    runner.runner = SimpleNamespace(args=flags(disable_cuda_graph_padding=not padding), graph_key_extras=lambda b: ())
+    runner.modes, runner.tokens_per_request, runner.sizes = [ForwardMode.DECODE], {ForwardMode.DECODE: 1}, sizes
+    runner.graphs = {GraphKey(ForwardMode.DECODE, bs, 1): None for bs in sizes}
+    batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=33, num_tokens=33)
+    assert runner.key_for(batch) == (GraphKey(ForwardMode.DECODE, 40, 1) if padding else None)
 
 
 def test_key_composition_from_contributions():

@@ -194,6 +194,21 @@ def test_highest_priority_usable_impl_wins_per_platform():
     assert cpu.rms_norm is rms_norm and cpu.silu_and_mul() == "cpu-fast"
 
 
+def test_fallback_past_an_unusable_impl_is_logged(caplog):
+    impls = native_impls() + [
+        CustomOpImpl("rms_norm", "cuda", fake("faster"), "broken", priority=20, available=lambda: "no lib"),
+        CustomOpImpl("gelu", "cuda", fake("slow"), "slowpoke", priority=-1, available=lambda: "never"),
+    ]
+    with caplog.at_level("WARNING", logger="backplane.ops.dispatch"):
+        ops = resolve_custom_ops(impls, "cuda", {})
+    assert ops.chosen["rms_norm"] == "native"
+    assert caplog.messages == ["custom op rms_norm on cuda: using native because broken (priority 20) cannot run: no lib"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="backplane.ops.dispatch"):
+        resolve_custom_ops(native_impls(), "cuda", {})
+    assert caplog.messages == []
+
+
 def test_override_picks_named_impl():
     impls = native_impls() + [CustomOpImpl("rms_norm", "cuda", fake("fast"), "flashinfer", priority=10)]
     ops = resolve_custom_ops(impls, "cuda", {"rms_norm": "native"})

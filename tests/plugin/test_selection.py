@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from backplane.plugin.manager import load_plugins
-from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, RegistrationError
+from backplane import hookimpl
+from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, ModelSpec, RegistrationError, Registry
 from backplane.plugin.selection import (
     AttentionRequirements,
     LoraRequirements,
@@ -38,7 +41,9 @@ def test_unknown_name_lists_every_registered_backend_and_plugin(registry):
         "--attention-backend: unknown backend 'fastest'; registered: "
         "flashinfer (plugin 'attention_flashinfer'), head128 (plugin 'test_plugin'), "
         "needs_lib (plugin 'test_plugin'), no_window (plugin 'test_plugin'), "
-        "torch_native (plugin 'attention.builtin'), triton (plugin 'attention_triton'), or 'auto'"
+        "torch_native (plugin 'attention.builtin'), triton (plugin 'attention_triton'), or 'auto'. "
+        "Not loaded, filtered out by BACKPLANE_PLUGINS=attention_triton,attention_flashinfer,lora_triton: "
+        "example, spec_eagle, spec_ngram"
     )
 
 
@@ -113,5 +118,68 @@ def test_register_rejects_wrong_types_and_values(registry):
         register(AttentionBackendSpec(name="x", factory=object, description="t", platforms=("tpu",)))
     with pytest.raises(RegistrationError, match="unknown mode 'prefill'"):
         register(AttentionBackendSpec(name="x", factory=object, description="t", modes=("prefill",)))
-    with pytest.raises(RegistrationError, match="registered twice: by plugin 'test_plugin' and by plugin 'sloppy'"):
-        register(AttentionBackendSpec(name="head128", factory=object, description="t"))
+    register(AttentionBackendSpec(name="once", factory=object, description="t"))
+    with pytest.raises(RegistrationError, match="attention backend 'once' registered twice: by plugin 'sloppy' and by plugin 'sloppy'"):
+        register(AttentionBackendSpec(name="once", factory=object, description="t"))
+    models = registry.callback("model", "sloppy", None)
+    with pytest.raises(RegistrationError, match="model architecture 'LlamaForCausalLM' registered twice: by plugin 'models.builtin'"):
+        models(ModelSpec(architecture="LlamaForCausalLM", factory=object))
+
+
+def _twin_plugins(priority_a: int = 0, priority_b: int = 0):
+    """Two throwaway plugins that both register an attention backend named "sdpa"."""
+    specs = {}
+    plugins = []
+    for plugin_name, priority in (("sdpa_a", priority_a), ("sdpa_b", priority_b)):
+        spec = AttentionBackendSpec(name="sdpa", factory=object, description=plugin_name, priority=priority)
+        specs[plugin_name] = spec
+        plugin = types.SimpleNamespace(__name__=plugin_name)
+        plugin.backplane_register_attention_backends = hookimpl(lambda register, spec=spec: register(spec))
+        plugins.append(plugin)
+    return plugins, specs
+
+
+def test_a_name_two_plugins_register_is_an_error_naming_both(monkeypatch):
+    monkeypatch.setenv("BACKPLANE_PLUGINS", "")
+    plugins, specs = _twin_plugins()
+    plugin_set = load_plugins(extra=plugins)
+    assert all(p.error is None for p in plugin_set.plugins)
+    with pytest.raises(SelectionError) as err:
+        select_attention_backend(plugin_set.registry, "sdpa", CPU_FP32)
+    assert str(err.value) == (
+        "--attention-backend: attention backend 'sdpa' is registered by 2 plugins: plugin 'sdpa_a' and "
+        "plugin 'sdpa_b'; pin one with --attention-backend sdpa@sdpa_a or sdpa@sdpa_b")
+    assert select_attention_backend(plugin_set.registry, "sdpa@sdpa_b", CPU_FP32).spec is specs["sdpa_b"]
+    assert select_attention_backend(plugin_set.registry, "sdpa@sdpa_a", CPU_FP32).plugin == "sdpa_a"
+    with pytest.raises(SelectionError, match="no plugin or distribution 'sdpa_c' registered attention backend 'sdpa'"):
+        select_attention_backend(plugin_set.registry, "sdpa@sdpa_c", CPU_FP32)
+
+
+def test_auto_refuses_a_shared_winner_but_not_a_shared_loser(monkeypatch):
+    monkeypatch.setenv("BACKPLANE_PLUGINS", "")
+    plugins, _ = _twin_plugins(priority_a=1000, priority_b=1000)
+    with pytest.raises(SelectionError, match="auto: attention backend 'sdpa' is registered by 2 plugins.*sdpa@sdpa_a"):
+        select_attention_backend(load_plugins(extra=plugins).registry, "auto", CPU_FP32)
+    plugins, _ = _twin_plugins(priority_a=-5, priority_b=-5)
+    assert select_attention_backend(load_plugins(extra=plugins).registry, "auto", CPU_FP32).spec.name == "torch_native"
+
+
+def test_pin_by_distribution_and_a_failed_twin_unshares_the_name():
+    registry = Registry()
+    for plugin, dist in (("a", "backplane-sdpa"), ("b", "other-sdpa")):
+        registry.callback("attention", plugin, dist)(AttentionBackendSpec(name="sdpa", factory=object, description=plugin))
+    assert select_attention_backend(registry, "sdpa@other-sdpa", CPU_FP32).plugin == "b"
+    with pytest.raises(SelectionError, match="plugin 'a' \\(distribution backplane-sdpa\\) and plugin 'b'"):
+        select_attention_backend(registry, "sdpa", CPU_FP32)
+    registry.remove_plugin("a")
+    assert select_attention_backend(registry, "sdpa", CPU_FP32).plugin == "b"
+    assert registry.registrations("attention", "sdpa") == [registry.provenance("attention", "sdpa")]
+
+
+def test_auto_breaks_equal_priorities_by_name_then_plugin():
+    registry = Registry()
+    for plugin, name in (("p2", "beta"), ("p1", "alpha"), ("p0", "gamma")):
+        registry.callback("attention", plugin, None)(AttentionBackendSpec(name=name, factory=object, description="t",
+                                                                          priority=7))
+    assert select_attention_backend(registry, "auto", CPU_FP32).spec.name == "alpha"
+
