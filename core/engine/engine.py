@@ -47,7 +47,9 @@ class Engine:
             self.runner = ModelRunner(self.args, self.plugin_set, self.tp.parallel if self.tp else None)
             # NOTE: LoRA wraps the model and joins the graph key, so it must exist before capture.
             self.lora_manager = attach_lora(self.runner)
-            self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner)
+            participants = [self.lora_manager] if self.lora_manager else []
+            # NOTE: verify batches go through the same participants: each request keeps its adapter.
+            self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner, participants)
             if self.tp is not None:
                 self.tp.attach(self.runner, self.lora_manager)  # waits for every worker's runner
             self.runner.init_cuda_graphs()
@@ -59,7 +61,7 @@ class Engine:
             chunk_size=self.args.chunked_prefill_size,
             eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
             detokenize=self.decode, seed=self.args.seed,
-            participants=[self.lora_manager] if self.lora_manager else [],
+            participants=participants,
             spec_worker=self.spec_worker, prefix_cache=self._make_prefix_cache(),
             overlap=self.overlap_schedule,
         )
