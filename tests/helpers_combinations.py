@@ -166,7 +166,7 @@ def run_cell(world: MatrixWorld, cell: Cell, tie_fraction: float, **settings) ->
         problems = _setup_problems(engine, cell, calls)
         ties = []
         for i, (out, adapter) in enumerate(zip(outs, adapters)):
-            problem, tie = _compare(i, out, world.reference(i, adapter), tie_fraction)
+            problem, tie = compare(i, out, world.reference(i, adapter), tie_fraction)
             problems += [problem] if problem else []
             ties += [tie] if tie else []
     finally:
@@ -197,7 +197,7 @@ def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]
     return problems
 
 
-def _compare(index: int, out, ref: Reference, tie_fraction: float) -> tuple[str | None, tuple | None]:
+def compare(index: int, out, ref: Reference, tie_fraction: float) -> tuple[str | None, tuple | None]:
     """(problem or None, tie or None) for request `index` against its reference."""
     if out.error is not None:
         return f"request {index}: error {out.error}", None

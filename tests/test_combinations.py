@@ -20,7 +20,9 @@ import os
 
 import pytest
 
-from helpers_combinations import Cell, check, make_world, pairwise, report, run_cell
+import torch
+
+from helpers_combinations import Cell, CellResult, Reference, check, compare, make_world, pairwise, report, run_cell
 
 LORA = [None, "torch_native", "triton"]
 SPEC = [None, "ngram", "eagle"]
@@ -54,6 +56,38 @@ def test_pairwise_covers_every_pair():
     assert len(chosen) <= 10  # 9 is the least for three axes of three; the greedy is one over
     for a, b in [("attention", "lora"), ("attention", "spec"), ("lora", "spec")]:
         assert {(c[a], c[b]) for c in chosen} == {(x, y) for x in axes[a] for y in axes[b]}
+
+
+def test_tie_rule_and_refusal_lines():
+    """A divergence passes only where the reference's top two are within the tie limit; a refusal
+    passes only when expected and one line naming a flag."""
+    logits = torch.zeros(3, 8)
+    logits[0, 2], logits[1, 4], logits[1, 5] = 5.0, 3.0, 3.0 - 1e-6  # step 1: a near-tie of 4 and 5
+    ref = Reference([2, 4, 1], logits)
+
+    class Out:
+        error = None
+        token_ids: list = []
+
+    out = Out()
+    out.token_ids = [2, 4, 1]
+    assert compare(0, out, ref, TIE_FRACTION) == (None, None)
+    out.token_ids = [2, 5, 6]
+    problem, tie = compare(0, out, ref, TIE_FRACTION)
+    assert problem is None and tie[:2] == (0, 1)
+    out.token_ids = [3, 4, 1]
+    problem, tie = compare(0, out, ref, TIE_FRACTION)
+    assert tie is None and "token 0 is 3, reference 2" in problem
+    out.token_ids = [2, 4]
+    assert "2 tokens, expected 3" in compare(0, out, ref, TIE_FRACTION)[0]
+    refused = CellResult("cell", "refused", "--lora-backend x: unusable with --speculative-algorithm y")
+    check(refused, expected_refusal="unusable")
+    with pytest.raises(AssertionError, match="refused at startup"):
+        check(refused)
+    with pytest.raises(AssertionError, match="one line naming the flags"):
+        check(CellResult("cell", "refused", "no flag here"), expected_refusal="no flag")
+    with pytest.raises(AssertionError, match="token 3"):
+        check(CellResult("cell", "mismatch", "request 0: token 3 ..."))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run of Triton needs TRITON_INTERPRET=1")
