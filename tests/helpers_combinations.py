@@ -65,6 +65,11 @@ class Cell:
         return (f"attn={attn} lora={self.lora or 'none'} spec={self.spec or 'none'} "
                 f"compile={'on' if self.compile else 'off'} graphs={'on' if self.graphs else 'off'}")
 
+    @property
+    def test_id(self) -> str:
+        """The label in characters pytest's -k accepts: `-k "lora:triton and spec:eagle"`."""
+        return self.label.replace("=", ":").replace(" ", "-")
+
     def engine_kwargs(self, world: MatrixWorld) -> dict:
         kw: dict = dict(prefill_attention_backend=self.prefill, decode_attention_backend=self.decode,
                         attention_backend=self.prefill, enable_torch_compile=self.compile,
@@ -192,7 +197,9 @@ def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]
         problems.append(f"no speculative step ran under {cell.spec}")
     if cell.compile and not opaque_calls:
         problems.append("torch.compile on, but no compiled forward reached torch.ops.backplane.attention")
-    if cell.graphs and cell.decode != "torch_native" and engine.runner.graph_runner is None:
+    # NOTE: on CPU, graphs on is logged and runs eagerly; torch_native decode declares no graph modes.
+    on_gpu = engine.runner.device.type == "cuda"
+    if cell.graphs and on_gpu and cell.decode != "torch_native" and engine.runner.graph_runner is None:
         problems.append("graphs on, but no CUDA graph was captured")
     return problems
 

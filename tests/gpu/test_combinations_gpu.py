@@ -63,7 +63,7 @@ def results():
         report(collected)
 
 
-@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.label.replace(" ", ","))
+@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.test_id)
 def test_cell(world, results, cell):
     if "flashinfer" in (cell.prefill, cell.decode) and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer is not installed")
