@@ -17,6 +17,8 @@
 #   bench/gpu_suite.sh prefix-cache  bench/prefix_cache.py (radix cache on/off; llama-3.2-1b, llama-3.1-8b)
 #   bench/gpu_suite.sh http       bench/serving.py: `backplane serve` (llama-3.2-1b, triton, graphs) at Poisson
 #                                 rates 1/4/16/inf over streamed HTTP, against the offline Engine (issue 21)
+#   bench/gpu_suite.sh matrix     tests/gpu/test_combinations_gpu.py (every plugin combination, issue 19) in
+#                                 MATRIX_SHARDS (3) parallel shards, then the merged summary (matrix.json)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -138,9 +140,20 @@ case "$what" in
       tests/gpu/test_lora_triton_gpu.py > "$out/lora-fused-tests.log" 2>&1
     test_summary lora-fused-tests $?
     TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
+  matrix)
+    shards=${MATRIX_SHARDS:-3}
+    pids=()
+    for i in $(seq 0 $((shards - 1))); do
+      BACKPLANE_MATRIX_SHARD="$i/$shards" BACKPLANE_MATRIX_OUT="$out/matrix-$i.json" \
+        timeout -s INT "${TEST_LIMIT:-540}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
+        tests/gpu/test_combinations_gpu.py ${kexpr:+-k "$kexpr"} > "$out/matrix-$i.log" 2>&1 &
+      pids+=($!)
+    done
+    for i in "${!pids[@]}"; do wait "${pids[$i]}"; test_summary "matrix-$i" $?; done
+    python3 bench/matrix_summary.py "$out/matrix.json" "$out"/matrix-[0-9]*.json | tee "$out/matrix-summary.log" ;;
   plot) plot ;;
-  tests|kernels|serving) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, plot or all)"; exit 2 ;;
+  tests|kernels|serving|matrix) ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

@@ -187,7 +187,7 @@ def build_server_args(cli_values: dict[str, Any], group_models: dict[str, type] 
     try:
         args = EngineArgs(**cli_values)
     except ValidationError as err:
-        raise SettingsError(format_validation_error(err, fields=tuple(ServerArgs.model_fields))) from None
+        raise SettingsError(format_validation_error(err, fields=tuple(EngineArgs.model_fields))) from None
     args.plugin_options = build_plugin_options(group_models or {}, group_values or {})
     return args
 

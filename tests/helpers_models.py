@@ -154,3 +154,22 @@ def unused_slots(engine) -> int:
     tree = engine.scheduler.prefix_cache.tree
     assert tree.protected_size == 0, "a finished request still references the prefix cache"
     return engine.runner.token_to_kv_pool.num_free + tree.total_size
+
+
+def save_exact_eagle_head(model, path) -> str:
+    """Save an EAGLE head (checkpoint layout) that reproduces the one-layer transformers `model`:
+    fc picks the token embedding, then the model's own layer 0, final norm and lm_head, so a chain
+    draft is fully accepted wherever the target is this model. Returns the directory."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hidden = model.config.hidden_size
+    tensors = {"fc.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1),
+               "norm.weight": model.model.norm.weight}
+    tensors.update({f"layers.0.{k}": v for k, v in model.model.layers[0].state_dict().items()})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    config = {**model.config.to_dict(), "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

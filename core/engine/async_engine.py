@@ -54,7 +54,7 @@ class _Tracked:
 
 
 class AsyncEngine:
-    """Streaming front of an `Engine`: keyword arguments are Engine's (ServerArgs fields, plugins).
+    """Streaming front of an `Engine`: keyword arguments are Engine's (EngineArgs fields, plugins).
 
     max_queued_requests: add_request raises QueueFullError while that many requests wait for a
     request row (None: no limit). `engine=` wraps an Engine already built (it must not be used

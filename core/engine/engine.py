@@ -16,23 +16,23 @@ from backplane.engine.scheduler import Scheduler
 from backplane.engine.tokenizer import eos_ids, load_tokenizer
 from backplane.lora.manager import attach_lora
 from backplane.plugin.manager import PluginSet, load_plugins
-from backplane.settings import ServerArgs, build_server_args
+from backplane.settings import EngineArgs, build_server_args
 from backplane.speculative.factory import build_spec_worker, check_spec_settings, sampling_refusal
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """Loads plugins, builds the model runner from ServerArgs, and serves generate calls.
+    """Loads plugins, builds the model runner from EngineArgs, and serves generate calls.
 
     Engine(model="tiny-llama", attention_backend="auto", max_total_tokens=4096, ...): keyword
-    arguments are ServerArgs fields; `plugin_options={"group": {...}}` sets plugin option groups;
+    arguments are EngineArgs fields; `plugin_options={"group": {...}}` sets plugin option groups;
     `plugins=[obj, ...]` registers plugin objects without packaging them.
     """
 
     def __init__(self, model: str | None = None, *, plugins: Sequence[Any] = (),
                  plugin_options: dict[str, dict[str, Any]] | None = None,
-                 server_args: ServerArgs | None = None, plugin_set: PluginSet | None = None, **kwargs: Any):
+                 server_args: EngineArgs | None = None, plugin_set: PluginSet | None = None, **kwargs: Any):
         from backplane.distributed.driver import start_tensor_parallel, tp_startup
         from backplane.executor.model_runner import ModelRunner
 
@@ -48,7 +48,9 @@ class Engine:
             self.runner = ModelRunner(self.args, self.plugin_set, self.tp.parallel if self.tp else None)
             # NOTE: LoRA wraps the model and joins the graph key, so it must exist before capture.
             self.lora_manager = attach_lora(self.runner)
-            self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner)
+            participants = [self.lora_manager] if self.lora_manager else []
+            # NOTE: verify batches go through the same participants: each request keeps its adapter.
+            self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner, participants)
             if self.tp is not None:
                 self.tp.attach(self.runner, self.lora_manager)  # waits for every worker's runner
             self.runner.init_cuda_graphs()
@@ -61,7 +63,7 @@ class Engine:
             chunk_size=self.args.chunked_prefill_size,
             eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
             detokenize=self.decode, seed=self.args.seed,
-            participants=[self.lora_manager] if self.lora_manager else [],
+            participants=participants,
             spec_worker=self.spec_worker, prefix_cache=self._make_prefix_cache(),
             overlap=self.overlap_schedule,
         )

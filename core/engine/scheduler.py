@@ -54,7 +54,7 @@ class Scheduler:
         # request next to the running ones (`can_admit(req, running)`), and binds its per-batch
         # state before every forward (`prepare_batch(batch, reqs)`).
         self.participants = participants or []
-        # A speculative-decoding worker replaces the plain decode step (`decode(reqs, sample_fn)`).
+        # A speculative-decoding worker replaces the plain decode step (`decode(reqs)`).
         self.spec_worker = spec_worker
         # Shared prefixes' KV (a radix tree over the pool); PrefixCache(enabled=False) caches nothing.
         self.prefix_cache = prefix_cache or PrefixCache(self.kv_pool, self.req_pool, enabled=False)

@@ -76,7 +76,7 @@ def resolve_model_source(args: EngineArgs) -> ModelSource:
     )
 
 
-def context_length(args: ServerArgs, hf_config: Any) -> int:
+def context_length(args: EngineArgs, hf_config: Any) -> int:
     """--context-length, or the model's max_position_embeddings; never beyond it (positions past
     it have no rotary embedding)."""
     limit = int(hf_config.max_position_embeddings)

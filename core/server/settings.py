@@ -1,6 +1,6 @@
-"""ServeArgs: the flags of `backplane serve` beyond ServerArgs (host, port, auth, limits, chat template).
+"""ServeArgs: the flags of `backplane serve` beyond EngineArgs (host, port, auth, limits, chat template).
 
-Like ServerArgs, each field is a flag (`--max-queued-requests`) and a BACKPLANE_* env var
+Like EngineArgs, each field is a flag (`--max-queued-requests`) and a BACKPLANE_* env var
 (`BACKPLANE_API_KEY`); the command line wins. No web framework is imported here, so
 `backplane --help` works without the `serve` extra.
 """
@@ -14,7 +14,7 @@ from backplane.settings import ENV_PREFIX
 
 
 class ServeArgs(BaseSettings):
-    """Options of the HTTP server; the model, backends and plugin groups stay in ServerArgs."""
+    """Options of the HTTP server; the model, backends and plugin groups stay in EngineArgs."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
 

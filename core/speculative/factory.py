@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from backplane.speculative.worker import SpecContext, SpecWorker
@@ -29,13 +30,17 @@ def check_spec_settings(args: Any, plugin_set: Any) -> Any:
     return spec
 
 
-def build_spec_worker(args: Any, plugin_set: Any, runner: Any) -> SpecWorker | None:
-    """The worker of the selected algorithm (built by its plugin's factory), or None."""
+def build_spec_worker(args: Any, plugin_set: Any, runner: Any, participants: Sequence[Any] = ()) -> SpecWorker | None:
+    """The worker of the selected algorithm (built by its plugin's factory), or None.
+
+    participants: the scheduler's batch participants (the LoraManager), which the worker's verify
+    batches go through as well."""
     spec = check_spec_settings(args, plugin_set)
     if spec is None:
         return None
     plugin = plugin_set.registry.provenance("spec", spec.name).plugin
-    return spec.factory(SpecContext(runner=runner, args=args, spec=spec, plugin=plugin))
+    return spec.factory(SpecContext(runner=runner, args=args, spec=spec, plugin=plugin,
+                                    participants=tuple(participants)))
 
 
 def sampling_refusal(spec: Any, req: Any) -> str | None:

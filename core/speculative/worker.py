@@ -1,10 +1,12 @@
 """The SpecWorker contract: draft a tree, verify it with the target, keep what greedy decoding keeps.
 
-The scheduler calls `decode(reqs, scheduler)` instead of its plain decode step. One step:
+The scheduler calls `decode(reqs)` instead of its plain decode step. One step:
   1. allocate `num_draft_tokens` KV slots per request (positions num_cached ..),
   2. `draft(reqs)` -> a DraftTree of num_draft_tokens nodes per request (node 0: the last token),
   3. verify: one TARGET_VERIFY forward of every node under the tree mask at positions
-     num_cached + depth, then greedy acceptance (backplane.speculative.accept),
+     num_cached + depth, then greedy acceptance (backplane.speculative.accept); the batch
+     participants (LoRA) bind their per-batch state first, so each request's nodes run under its
+     own adapter,
   4. keep the accepted nodes' slots in position order, free the rest, advance num_cached,
   5. `after_verify(...)` lets the algorithm update its per-request state.
 """
@@ -27,13 +29,21 @@ class SpecContext:
     """What a spec algorithm's factory receives.
 
     runner: the target model runner (its model, pools, attention backend and graph runner)
-    args: the final ServerArgs; plugin: the name of the plugin that registered the algorithm
+    args: the final EngineArgs; plugin: the name of the plugin that registered the algorithm
+    participants: what binds per-batch state before a target forward, the scheduler's own
+      (`prepare_batch(batch, reqs)`; the LoraManager): the verify batch goes through them too
     """
 
     runner: Any
     args: Any
     spec: Any
     plugin: str = ""
+    participants: tuple = ()
+
+    def prepare_target(self, batch: Any, reqs: list) -> None:
+        """Let every participant bind its state for a target batch of `reqs` (LoRA segments)."""
+        for p in self.participants:
+            p.prepare_batch(batch, reqs)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -148,6 +158,7 @@ class SpecWorker(ABC):
                                    torch.cat([r.slots[-1] for r in reqs]), n, mask, indptr,
                                    self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
         batch.extra["capture_hidden"] = self.capture_hidden
+        self.ctx.prepare_target(batch, reqs)  # LoRA: one segment of n nodes per request, its adapter
         output = self.runner.forward(batch)
         logits = output.logits.view(bs, n, -1)  # [bs, nodes, vocab]
         best, choice = logits.max(-1)  # the target's greedy token after each node

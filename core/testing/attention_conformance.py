@@ -231,19 +231,24 @@ __all__ = ["Case", "Harness", "base_cases", "check_case", "make_suite", "applica
 def make_graph_suite(backend_name: str, dtype: torch.dtype = torch.bfloat16):
     """A pytest test: decode captured at sizes 1, 2, 4, 8, 16 and replayed over random padded
     batches for many steps equals torch_native; so does a DRAFT_EXTEND of 8 tokens a request when
-    the backend declares draft_extend graphs (skipped without CUDA or graph support)."""
+    the backend declares draft_extend graphs; and ("compile") decode through the core's opaque
+    attention op inside a torch.compile region, as --enable-torch-compile runs it (skipped without
+    CUDA or graph support)."""
     import pytest
 
     @pytest.mark.gpu
-    @pytest.mark.parametrize("mode", ["decode", "draft_extend"])
+    @pytest.mark.parametrize("mode", ["decode", "draft_extend", "compile"])
     def test_attention_graph_conformance(mode):
         if not torch.cuda.is_available():
             pytest.skip("graph replay needs CUDA")
         spec = _spec(backend_name)
-        if spec.available() or mode not in spec.graph_modes:
+        if spec.available() or (mode != "compile" and mode not in spec.graph_modes):
             pytest.skip(f"{backend_name}: {spec.available() or f'declares no {mode} graphs'}")
-        from backplane.testing.graph_conformance import check_graph_replay
+        from backplane.testing.graph_conformance import check_compiled_decode, check_graph_replay
 
-        check_graph_replay(spec, dtype, tokens=1 if mode == "decode" else 8)
+        if mode == "compile":
+            check_compiled_decode(spec, dtype)
+        else:
+            check_graph_replay(spec, dtype, tokens=1 if mode == "decode" else 8)
 
     return test_attention_graph_conformance

@@ -2,6 +2,10 @@
 tokens in every request, as an EAGLE draft window) in CUDA graphs at several batch sizes, then
 replay random padded batches over many steps and compare with torch_native. Needs CUDA; used by
 `attention_conformance.make_graph_suite`.
+
+The compile case (`check_compiled_decode`, any device): decode through the core's opaque op
+`torch.ops.backplane.attention` inside a `torch.compile(fullgraph=True, dynamic=True)` region, as
+`--enable-torch-compile` runs it, over random batch sizes; equal to torch_native.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ class DecodeWorld:
     """`num_reqs` requests with random cached lengths; each step runs `tokens` new tokens of a
     random subset (one: DECODE; more: a DRAFT_EXTEND without extend lengths, causal)."""
 
-    def __init__(self, num_reqs: int, max_len: int, dtype, seed: int):
+    def __init__(self, num_reqs: int, max_len: int, dtype, seed: int, device: str = "cuda"):
         case = Case("graph", "decode", tuple([max_len] * num_reqs), (1,) * num_reqs, num_heads=8, num_kv_heads=2)
-        self.h = Harness(case, dtype, "cuda", seed)
+        self.h = Harness(case, dtype, device, seed)
         self.rng, self.max_len = random.Random(seed), max_len
         self.cached = [self.rng.randint(1, max_len - 40) for _ in range(num_reqs)]
         self.pad_row = self.h.req_pool.alloc()  # an all-zero row: padded requests read slot 0
@@ -98,4 +102,52 @@ def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps
         torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, real=real, key=key: (
             f"{mode.value} graph replay at batch {real.batch_size} (padded to {key.batch_size}): {m}"))
         worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
+class _OpaqueLayer:
+    """What torch.ops.backplane.attention looks up by handle: `ctx.attn_backend` and `info`."""
+
+    def __init__(self, backend, info: AttentionLayerInfo):
+        self.ctx, self.info = self, info
+        self.attn_backend = backend
+
+
+def check_compiled_decode(spec, dtype=torch.bfloat16, device: str = "cuda", steps: int = 8, seed: int = 0,
+                          max_bs: int = 9) -> float:
+    """Decode through the opaque attention op in one compiled region (fullgraph: a graph break
+    fails), over `steps` random batches of 1..max_bs requests, against torch_native eagerly.
+    Returns the worst |compiled - torch_native|; raises AssertionError on a mismatch."""
+    from backplane.attention.torch_native import TorchNativeAttnBackend
+    from backplane.ops import opaque
+
+    world = DecodeWorld(num_reqs=max_bs + 3, max_len=200, dtype=dtype, seed=seed, device=device)
+    layer = world.h.layer()
+    backend, reference = spec.factory(world.h.context()), TorchNativeAttnBackend(world.h.context())
+    holder = _OpaqueLayer(backend, layer)  # kept alive: the op's handle table holds weak references
+    handle = opaque.register_layer(holder)
+
+    def body(q, k, v):
+        # q: [T, H, D]; the scaling around the op is what Inductor fuses; the op stays one call.
+        out = torch.empty_like(q)
+        torch.ops.backplane.attention(q * 1.0, k, v, out, handle)
+        return out * 1.0
+
+    compiled = torch.compile(body, fullgraph=True, dynamic=True)
+    worst, rng = 0.0, random.Random(seed)
+    for _ in range(steps):
+        real = world.step_batch(rng.randint(1, max_bs))
+        n = real.num_tokens
+        q, k, v = (world.h.randn(n, layer.num_heads, layer.head_dim), world.h.randn(n, layer.num_kv_heads, layer.head_dim),
+                   world.h.randn(n, layer.num_kv_heads, layer.head_dim))
+        backend.init_forward_metadata(real)  # planning stays outside the compiled region
+        with opaque.forward_context(real):
+            got = compiled(q, k, v).float()
+        reference.init_forward_metadata(real)
+        want = reference.forward(q, k, v, layer, real).float()
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, real=real: (
+            f"compiled decode through torch.ops.backplane.attention at batch {real.batch_size}: {m}"))
+        worst = max(worst, float((got - want).abs().max()))
+    del holder
     return worst

@@ -14,5 +14,7 @@ def backplane_register_spec_algorithms(register):
     register(SpecAlgorithmSpec(
         name="eagle", factory=_factory,
         description="EAGLE draft head (fc + one decoder layer) drafting a top-k tree, one CUDA graph",
-        needs_draft_model=True, supports_lora=False, supports_sampling=False,
+        # LoRA (as SGLang does): adapters apply to the target only (prefill and verify); the draft
+        # head runs without them, on the target's adapted hidden states.
+        needs_draft_model=True, supports_lora=True, supports_sampling=False,
     ))

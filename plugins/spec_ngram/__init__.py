@@ -14,5 +14,6 @@ def backplane_register_spec_algorithms(register):
     register(SpecAlgorithmSpec(
         name="ngram", factory=_factory,
         description="prompt lookup: propose what followed the last n tokens earlier in the text",
-        needs_draft_model=False, supports_lora=False, supports_sampling=False,
+        # LoRA: drafting reads no model; verify runs each request under its adapter.
+        needs_draft_model=False, supports_lora=True, supports_sampling=False,
     ))

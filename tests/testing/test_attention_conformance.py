@@ -59,3 +59,22 @@ def test_the_suite_catches_a_wrong_backend(cls, case):
     with pytest.raises(AssertionError, match=case):
         check_case(_spec(cls), CASES[case], "cpu", torch.float32)
     check_case(_spec(TorchNativeAttnBackend), CASES[case], "cpu", torch.float32)
+
+
+class DoubleScaleDecode(TorchNativeAttnBackend):
+    """Wrong on purpose: decode with twice the softmax scaling."""
+
+    def forward_decode(self, q, k, v, layer, batch):
+        from dataclasses import replace
+
+        return super().forward_decode(q, k, v, replace(layer, scaling=2 * layer.scaling), batch)
+
+
+def test_compile_case_torch_native_and_a_wrong_backend():
+    """The graph suite's compile case, on CPU: torch_native through the opaque op in a compiled
+    region equals eager torch_native; a wrong decode is caught."""
+    from backplane.testing.graph_conformance import check_compiled_decode
+
+    assert check_compiled_decode(_spec(TorchNativeAttnBackend), torch.float32, "cpu", steps=4) < 1e-4
+    with pytest.raises(AssertionError, match="compiled decode through torch.ops.backplane.attention"):
+        check_compiled_decode(_spec(DoubleScaleDecode), torch.float32, "cpu", steps=4)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from backplane import Engine, SamplingParams
+from backplane import Engine, SamplingParams, SpecAlgorithmSpec, hookimpl
 from backplane.plugins.spec_ngram.worker import lookup
 from helpers_models import unused_slots
 
@@ -93,8 +93,17 @@ def test_sampling_is_refused_per_request():
 def test_unknown_algorithm_and_lora_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"--speculative-algorithm 'medusa': unknown; registered algorithms: .*eagle.*ngram"):
         Engine("tiny-llama", device="cpu", attention_backend="torch_native", speculative_algorithm="medusa")
-    with pytest.raises(ValueError, match="--speculative-algorithm ngram: does not support LoRA adapters"):
-        Engine("tiny-llama", device="cpu", attention_backend="torch_native", speculative_algorithm="ngram", lora_paths=[f"a={tmp_path}"])
+    # ngram and eagle take LoRA adapters; an algorithm that declares it cannot is refused at startup.
+    no_lora = SpecAlgorithmSpec(name="no_lora", factory=lambda ctx: None, description="declares no LoRA support")
+
+    class NoLoraPlugin:
+        @hookimpl
+        def backplane_register_spec_algorithms(self, register):
+            register(no_lora)
+
+    with pytest.raises(ValueError, match="--speculative-algorithm no_lora: does not support LoRA adapters"):
+        Engine("tiny-llama", device="cpu", attention_backend="torch_native", speculative_algorithm="no_lora",
+               lora_paths=[f"a={tmp_path}"], plugins=[NoLoraPlugin()])
 
 
 def test_drafts_stop_at_the_context_end(plain):  # docs/reliability.md R54
