@@ -6,10 +6,16 @@ choices into the response object, and single chunks into stream objects.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+
+def finite(logprob: float) -> float | None:
+    """A log-probability as JSON can carry it: NaN or infinity becomes null (JSON has no NaN)."""
+    return logprob if math.isfinite(logprob) else None
 
 
 @dataclass
@@ -85,7 +91,7 @@ class CompletionFormatter(Formatter):
             return None
         tokens = [self.decode_token(t) for t in token_ids]
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in logprobs], "top_logprobs": None, "text_offset": offsets}
 
     def choice(self, c: Choice) -> dict[str, Any]:
         return {"index": c.index, "text": "".join(c.text), "logprobs": self._logprobs(c.token_ids, c.logprobs),
@@ -109,7 +115,7 @@ class ChatFormatter(Formatter):
         content = []
         for t, lp in zip(token_ids, logprobs):
             token = self.decode_token(t)
-            content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
+            content.append({"token": token, "logprob": finite(lp), "bytes": list(token.encode()), "top_logprobs": []})
         return {"content": content}
 
     def choice(self, c: Choice) -> dict[str, Any]:
