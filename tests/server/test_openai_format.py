@@ -13,7 +13,7 @@ from backplane.server.openai_format import ChatFormatter, Choice, CompletionForm
 
 
 @pytest.mark.parametrize("formatter", [CompletionFormatter, ChatFormatter])
-def test_non_finite_logprobs_become_null(formatter):
+def test_non_finite_logprobs_become_null(formatter):  # docs/reliability.md R69
     fmt = formatter("tiny-llama", lambda t: f"<{t}>", True, False)
     choice = Choice(index=0, num_prompt_tokens=3, token_ids=[5, 6, 7], logprobs=[-0.5, math.nan, -math.inf],
                     text=["<5>", "<6>", "<7>"], finish_reason="length")
