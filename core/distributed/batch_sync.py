@@ -37,7 +37,7 @@ class BatchMessage:
     seq_lens_cpu: torch.Tensor
     optional: dict[str, torch.Tensor] = field(default_factory=dict)
     return_logprob: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    capture_hidden: bool = False
     lora: Any = None
     # EXTEND: req_to_token[row, :prefix_len] of every request, request after request [sum prefix] int64;
     # a prefix from the radix cache was never part of a batch on the workers.
@@ -64,7 +64,7 @@ def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
         mode=batch.forward_mode.value, batch_size=batch.batch_size, input_ids=_host(batch.input_ids),
         positions=_host(batch.positions), out_cache_loc=_host(batch.out_cache_loc),
         req_pool_indices=_host(batch.req_pool_indices), seq_lens_cpu=_host(batch.seq_lens_cpu, torch.int32),
-        optional=optional, return_logprob=batch.return_logprob, extra=dict(batch.extra), lora=lora,
+        optional=optional, return_logprob=batch.return_logprob, capture_hidden=batch.capture_hidden, lora=lora,
         prefix_slots=_prefix_slots(batch),
     )
 
@@ -114,7 +114,7 @@ def unpack_batch(msg: BatchMessage, req_to_token_pool: Any, token_to_kv_pool: An
         positions=dev(msg.positions), req_pool_indices=dev(msg.req_pool_indices),
         seq_lens=dev(msg.seq_lens_cpu), seq_lens_cpu=msg.seq_lens_cpu, out_cache_loc=dev(msg.out_cache_loc),
         req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
-        return_logprob=msg.return_logprob, extra=dict(msg.extra),
+        return_logprob=msg.return_logprob, capture_hidden=msg.capture_hidden,
     )
     for name, value in msg.optional.items():
         setattr(batch, name, value if name.endswith("_cpu") else dev(value))

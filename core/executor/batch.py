@@ -7,7 +7,7 @@ vectors so that backends can plan on the host without a device synchronisation.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -76,7 +76,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     # Set by the model runner while a CUDA graph is captured or replayed.
     graph_key: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The model returns the last layer's hidden states too (EAGLE drafts from them).
+    capture_hidden: bool = False
+    # A caller-owned fp32 [rows >= selected tokens, vocab] the logits layer writes into (graph capture).
+    logits_out: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

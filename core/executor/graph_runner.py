@@ -162,7 +162,7 @@ def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu:
         positions=static.positions[:pn], req_pool_indices=static.req_pool_indices[:pbs],
         seq_lens=static.seq_lens[:pbs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=static.out_cache_loc[:pn],
         req_to_token_pool=like.req_to_token_pool, token_to_kv_pool=like.token_to_kv_pool,
-        spec_info=like.spec_info, lora_info=like.lora_info, graph_key=key, extra=dict(like.extra),
+        spec_info=like.spec_info, lora_info=like.lora_info, graph_key=key, capture_hidden=like.capture_hidden,
     )
     return view
 
@@ -240,7 +240,7 @@ class GraphRunner:
                             self.static.req_pool_indices, self.static.seq_lens, seq_lens_cpu,
                             self.static.out_cache_loc, self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
         if key.mode is ForwardMode.TARGET_VERIFY:
-            like.extra["capture_hidden"] = True  # EAGLE drafts from them; harmless for others
+            like.capture_hidden = True  # EAGLE drafts from them; harmless for others
         self.runner.prepare_graph_batch(like, key)
         view = _view(self.static, key, like, seq_lens_cpu)
         if key.mode is ForwardMode.TARGET_VERIFY:  # capture with a mask: replays always carry one
@@ -249,7 +249,7 @@ class GraphRunner:
 
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)
-        batch.extra["logits_out"] = self.static_logits
+        batch.logits_out = self.static_logits
         self.backend.init_metadata_for_capture(key, batch)
         forward = self._forward_fn(key)
         self.graphs[key], self.outputs[key] = capture_graph(lambda: forward(batch), global_graph_pool())

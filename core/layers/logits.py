@@ -33,7 +33,7 @@ class LogitsProcessor(nn.Module):
     costly); the result is cast to fp32 before the optional soft-cap
     `cap * tanh(logits / cap)` (`final_logit_softcapping`).
 
-    `batch.extra["logits_out"]`, when set, is a caller-owned fp32 [rows >= num_selected, vocab]
+    `batch.logits_out`, when set, is a caller-owned fp32 [rows >= num_selected, vocab]
     buffer whose leading rows the cast writes into (and that view is returned): the CUDA graph
     runner gives every captured graph that one buffer, so no graph keeps a vocabulary-sized output
     of its own.
@@ -51,7 +51,7 @@ class LogitsProcessor(nn.Module):
             hidden_states = hidden_states[rows]
         logits = F.linear(hidden_states, lm_head.weight, getattr(lm_head, "bias", None))
         logits = self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
-        out = batch.extra.get("logits_out")
+        out = batch.logits_out
         if out is None:
             logits = logits.float()
         else:

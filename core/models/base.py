@@ -34,7 +34,7 @@ class ModelOutput:
     """logits: [num_selected, vocab_size] fp32 (rows chosen by LogitsProcessor).
 
     hidden_states: [num_tokens, hidden_size], the final-normed hidden state of every token when
-    `batch.extra.get("capture_hidden")` is true (EAGLE drafts from it), else None.
+    `batch.capture_hidden` is true (EAGLE drafts from it), else None.
     """
 
     logits: torch.Tensor

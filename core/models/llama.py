@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden_size]
         logits = self.logits_processor(hidden, self.lm_head, batch)
-        return ModelOutput(logits, hidden if batch.extra.get("capture_hidden") else None)
+        return ModelOutput(logits, hidden if batch.capture_hidden else None)
 
     def checkpoint_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor of a Hugging Face checkpoint of this model with its full (unsplit) shape."""

@@ -97,7 +97,7 @@ class EagleWorker(SpecWorker):
     # -- prefill --------------------------------------------------------------------------------
 
     def forward_prefill(self, batch, reqs: list, chunks: list[int]):
-        batch.extra["capture_hidden"] = True
+        batch.capture_hidden = True
         output = self.runner.forward(batch)
         offset = 0
         for req, n in zip(reqs, chunks):

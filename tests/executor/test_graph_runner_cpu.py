@@ -143,14 +143,14 @@ def test_logits_written_into_a_caller_buffer(softcap):
     head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)
     hidden = torch.randn(5, 16, dtype=torch.bfloat16)
     proc = LogitsProcessor(37, ParallelContext(), softcap)  # a padded vocabulary: 40 rows, 37 used
-    batch = SimpleNamespace(logits_indices=None, forward_mode=ForwardMode.DECODE, extra={})
+    batch = SimpleNamespace(logits_indices=None, forward_mode=ForwardMode.DECODE, logits_out=None)
     want = proc(hidden, head, batch)
     buffer = torch.full((8, 37), float("nan"))
-    batch.extra["logits_out"] = buffer
+    batch.logits_out = buffer
     got = proc(hidden, head, batch)
     assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 37)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.isnan(buffer[5:]).all()  # rows past the batch untouched
-    batch.extra["logits_out"] = torch.zeros(4, 37)
+    batch.logits_out = torch.zeros(4, 37)
     with pytest.raises(ValueError, match="logits_out: expected an fp32 buffer of at least 5 rows of 37"):
         proc(hidden, head, batch)

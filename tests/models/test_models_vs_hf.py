@@ -103,7 +103,7 @@ def test_capture_hidden_matches_transformers_last_hidden_state(saved):
     model = load_ours(path)
     prompt = random_prompts(2, hf.config.vocab_size)[2]
     builder = BatchBuilder.for_model(model)
-    batch = builder.extend([builder.add_request()], [prompt], extra={"capture_hidden": True})
+    batch = builder.extend([builder.add_request()], [prompt], capture_hidden=True)
     with torch.no_grad():
         out = model(batch)
         expected = hf.model(torch.tensor([prompt])).last_hidden_state[0]
