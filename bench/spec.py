@@ -82,7 +82,7 @@ def verify_vs_decode(engine: Engine, batch_sizes: list[int], vocab: int, context
     """One runner forward each: DECODE (1 token per request) and TARGET_VERIFY (NUM_DRAFT tokens per
     request, chain mask), both on batches built beforehand; with graphs each is one replay plus the
     backend's replay metadata."""
-    from backplane.engine.batch_builder import build_verify_batch
+    from backplane.speculative.verify_batch import build_verify_batch
 
     runner = engine.runner
     rows = []
@@ -217,7 +217,7 @@ def kernel_profile(engine: Engine, vocab: int, context: int = 512, top: int = 10
     """GPU time by kernel of one eager DECODE and one eager TARGET_VERIFY forward at batch 1."""
     from torch.profiler import ProfilerActivity, profile
 
-    from backplane.engine.batch_builder import build_verify_batch
+    from backplane.speculative.verify_batch import build_verify_batch
 
     runner = engine.runner
     req = Req(0, torch.randint(3, vocab, (context,)).tolist(), SamplingParams())

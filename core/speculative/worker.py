@@ -22,6 +22,7 @@ import torch
 from backplane.speculative.accept import Accepted, verify_greedy
 from backplane.speculative.kv import alloc_verify_slots, commit_accepted
 from backplane.speculative.tree import DraftTree, verify_mask
+from backplane.speculative.verify_batch import build_verify_batch
 
 
 @dataclass
@@ -146,8 +147,6 @@ class SpecWorker(ABC):
 
     def verify(self, reqs: list, tree: DraftTree) -> tuple[list[Accepted], list[list[float]], Any]:
         """Run the target over the tree, accept greedily and commit the KV slots."""
-        from backplane.engine.batch_builder import build_verify_batch
-
         bs, n = tree.batch_size, tree.num_nodes
         prefix = [r.num_cached for r in reqs]
         mask, indptr = verify_mask(tree, prefix)
