@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from backplane import Engine, SamplingParams
@@ -258,3 +259,21 @@ def check(result: CellResult, expected_refusal: str | None = None) -> None:
         return
     assert expected_refusal is None, f"{result.label}: expected a refusal ({expected_refusal}), but it ran"
     assert result.status in ("ok", "tie"), f"{result.label}: {result.message}"
+
+
+def matrix_fixtures(dirname: str):
+    """The module-scoped `world` (models and adapters under a temporary `dirname`) and `results`
+    (every cell's result, summarised by `report` when the module ends) fixtures of a matrix test."""
+
+    @pytest.fixture(scope="module")
+    def world(tmp_path_factory):
+        return make_world(tmp_path_factory.mktemp(dirname))
+
+    @pytest.fixture(scope="module")
+    def results():
+        collected = []
+        yield collected
+        if collected:
+            report(collected)
+
+    return world, results

@@ -23,7 +23,7 @@ import pytest
 
 import torch
 
-from helpers_combinations import Cell, CellResult, Reference, check, compare, make_world, pairwise, report, run_cell
+from helpers_combinations import Cell, CellResult, Reference, check, compare, matrix_fixtures, pairwise, run_cell
 
 LORA = [None, "torch_native", "triton"]
 SPEC = [None, "ngram", "eagle"]
@@ -39,17 +39,7 @@ CELLS = (
 SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return make_world(tmp_path_factory.mktemp("matrix"))
-
-
-@pytest.fixture(scope="module")
-def results():
-    collected = []
-    yield collected
-    if collected:
-        report(collected)
+world, results = matrix_fixtures("matrix")
 
 
 def test_pairwise_covers_every_pair():

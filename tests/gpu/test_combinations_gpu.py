@@ -22,7 +22,7 @@ import os
 
 import pytest
 
-from helpers_combinations import Cell, check, make_world, pairwise, report, run_cell
+from helpers_combinations import Cell, check, matrix_fixtures, pairwise, run_cell
 
 pytestmark = pytest.mark.gpu
 
@@ -50,17 +50,7 @@ def _cells() -> list[Cell]:
     return cells
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return make_world(tmp_path_factory.mktemp("matrix_gpu"))
-
-
-@pytest.fixture(scope="module")
-def results():
-    collected = []
-    yield collected
-    if collected:
-        report(collected)
+world, results = matrix_fixtures("matrix_gpu")
 
 
 @pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.test_id)
