@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from backplane.settings import EngineArgs
 
 
+@runtime_checkable
 class TargetRunner(Protocol):
     """What an algorithm reads of the target's model runner (the ModelRunner satisfies it).
 

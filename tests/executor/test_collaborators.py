@@ -23,6 +23,7 @@ from backplane.lora.manager import LoraManager
 from backplane.models.base import ModelOutput
 from backplane.plugin.manager import load_plugins
 from backplane.settings import build_server_args
+from backplane.speculative import TargetRunner
 
 
 class NoGraph:
@@ -139,6 +140,8 @@ def test_the_engine_wires_the_scheduler_and_the_runner_without_a_router():
     engine = Engine("tiny-llama", device="cpu", max_total_tokens=256)
     assert isinstance(engine.scheduler, RunningRequests)
     assert engine.runner.router is None and engine.runner.contributors == []  # no LoRA, one rank
+    assert isinstance(engine.runner, TargetRunner)  # what a spec algorithm may read is all there
+    assert not isinstance(engine.scheduler, TargetRunner)
 
 
 def test_a_tp_driver_refuses_forwards_before_its_workers_are_ready():
