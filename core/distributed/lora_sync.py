@@ -8,7 +8,10 @@ each batch carries that slot table and the batch's segments, and the worker load
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from backplane.lora.manager import LoraManager
 
 
 @dataclass
@@ -41,7 +44,7 @@ def pack_lora(slots: LoraSlotTable | None, batch: Any) -> LoraMessage | None:
 class LoraMirror:
     """A worker's view of rank 0's slot table, over the worker's own LoraManager."""
 
-    def __init__(self, manager: Any):
+    def __init__(self, manager: LoraManager | None):
         self.manager = manager
         self.resident: dict[int, str] = {}  # slot -> adapter name loaded there
 
