@@ -201,19 +201,22 @@ class ModelRunner:
         from backplane.executor.graph_sizes import capturable_modes
 
         self.graphs_initialized = True
-        if self.args.enable_torch_compile and (self.args.disable_cuda_graph or self.device.type != "cuda"):
+        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
+        modes: list[str] = []
+        if self.args.disable_cuda_graph:
+            pass
+        elif self.device.type != "cuda":
+            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
+        else:
+            modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
+            for limit in self.graph_mode_limits:
+                logger.warning(limit.message())
+        if self.args.enable_torch_compile and set(modes) != set(wanted):
+            # A mode without graphs (none asked for, or a plugin declines them) still runs compiled:
+            # --enable-torch-compile never silently falls back to the plain model.
             from backplane.executor.compiled import CompiledForward
 
             self.compiled_eager = CompiledForward(self.model, self.model_ctx, dynamic=None)
-        if self.args.disable_cuda_graph:
-            return
-        if self.device.type != "cuda":
-            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
-            return
-        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
-        modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
-        for limit in self.graph_mode_limits:
-            logger.warning(limit.message())
         if not modes:
             return
         self.graph_runner = GraphRunner(self.graph_context(), [ForwardMode(m) for m in modes])
