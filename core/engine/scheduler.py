@@ -240,7 +240,7 @@ class Scheduler:
         if not done:
             return None
         if len(done) < len(reqs):
-            rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
+            rows = torch.tensor([i for i, c in enumerate(completes) if c]).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, rows)
         return self._sample_on_device(done, logits)
 
