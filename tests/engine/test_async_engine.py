@@ -10,7 +10,7 @@ import pytest
 from backplane import AsyncEngine, AttentionBackendSpec, Engine, SamplingParams
 from backplane.attention import TorchNativeAttnBackend
 from backplane.engine.async_engine import QueueFullError, RequestRejected
-from backplane.engine.detokenize import IncrementalText
+from backplane.engine.detokenize import MAX_WAITING_TOKENS, IncrementalText
 from backplane.models.byte_tokenizer import ByteTokenizer
 from backplane.plugin.hookspecs import hookimpl
 
@@ -136,3 +136,34 @@ def test_incremental_text_holds_back_a_possible_stop_string():
     inc = IncrementalText(tok.decode, holdback=2)
     assert inc.update(ids[:4]) == "ab"  # "cd" might start a 3-character stop string
     assert inc.update(ids[:5], final_text="abc") == "c"  # the engine cut the text at the stop
+
+
+def _recording(decode):
+    windows = []
+
+    def record(ids):
+        windows.append(len(ids))
+        return decode(ids)
+    return record, windows
+
+
+def test_incremental_text_window_moves_past_tokens_without_text():
+    tok = ByteTokenizer()
+    text_ids = tok.encode("héllo", add_special_tokens=False)
+    # ids past the byte range decode to nothing (as most ids of a large vocabulary do for this tokenizer)
+    ids = [300 + i for i in range(200)] + text_ids + [400] * 50 + tok.encode("✓", add_special_tokens=False)
+    decode, windows = _recording(tok.decode)
+    inc = IncrementalText(decode)
+    pieces = [inc.update(ids[:i], finished=i == len(ids)) for i in range(1, len(ids) + 1)]
+    assert "".join(pieces) == tok.decode(ids) == "héllo✓"
+    assert max(windows) <= 4  # a few tokens a step, not the whole output (the window used to stay at 0)
+
+
+def test_incremental_text_waits_at_most_the_cap_on_invalid_utf8():
+    tok = ByteTokenizer()
+    ids = tok.encode("a", add_special_tokens=False) + [0x80 + 3] * 100  # lone continuation bytes: never whole
+    decode, windows = _recording(tok.decode)
+    inc = IncrementalText(decode)
+    pieces = [inc.update(ids[:i], finished=i == len(ids)) for i in range(1, len(ids) + 1)]
+    assert "".join(pieces) == tok.decode(ids) and "".join(pieces[:MAX_WAITING_TOKENS + 3]).startswith("a\ufffd")
+    assert max(windows) <= 2 * MAX_WAITING_TOKENS + 2
