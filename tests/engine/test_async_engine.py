@@ -63,6 +63,30 @@ def test_streams_equal_generate(engine, reference):
     assert engine.kv_usage[0] == 0 and engine.num_running == 0 and engine.num_waiting == 0
 
 
+def test_one_loop_callback_per_step_serves_every_stream(engine, monkeypatch):
+    """The engine thread hands the loop one callback per step for all its streams, never one per
+    stream or token (each costs the engine a wake-up of the loop and a turn at the GIL)."""
+    steps, callbacks = [], []
+    step = engine.engine._step
+    monkeypatch.setattr(engine.engine, "_step", lambda: steps.append(1) or step())
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            callbacks.append(callback)
+            return schedule(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        streams = engine.add_requests([[1, 30 + i, 40] for i in range(8)], [GREEDY] * 8)
+        return await asyncio.gather(*map(_drain, streams))
+
+    results = asyncio.run(run())
+    assert [len(ids) for _, ids, _ in results] == [10] * 8  # 80 tokens in all
+    assert 10 <= len(steps) and 1 <= len(callbacks) <= len(steps)
+
+
 def test_abort_frees_the_kv_pool_before_the_next_step(engine):
     async def run():
         stream = engine.add_request([1, 50, 60], SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True))
