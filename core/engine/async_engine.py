@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Sequence
 
 from backplane.engine.engine import Engine
@@ -228,8 +229,10 @@ class AsyncEngine:
         self._publish()
 
     def _publish(self) -> None:
-        """Send every request's new tokens (and its end) to its stream, one loop callback per loop."""
+        """Send every request's new tokens (and its end) to its stream: one loop callback per
+        event loop per step, however many streams that loop has (the loop fans them out)."""
         by_loop: dict[Any, list[tuple[RequestStream, Delta]]] = {}
+        now = time.perf_counter()
         for rid, tracked in list(self._tracked.items()):
             req = tracked.req
             self._note_started(tracked)
@@ -237,7 +240,7 @@ class AsyncEngine:
                 continue
             delta = Delta(req.output_ids[tracked.num_sent:], req.logprobs[tracked.num_sent:],
                           req.finish_reason.value if req.finished else None, req.error, req.text,
-                          len(req.output_ids))
+                          len(req.output_ids), now)
             tracked.num_sent = len(req.output_ids)
             by_loop.setdefault(tracked.stream.loop, []).append((tracked.stream, delta))
             if req.finished:

@@ -6,6 +6,12 @@ only a short window of recent tokens (the offsets trick of Hugging Face's TextSt
 while the window ends in an incomplete character, and holds back the last `holdback` characters
 (the longest stop string minus one) until the request finishes, so everything released is a
 prefix of the final text.
+
+The window moves on after every step that decodes cleanly, including steps whose tokens decode
+to no text at all (skipped special tokens, ids outside a byte tokenizer's range): so each update
+decodes a few tokens, never the whole output. Only an incomplete character or text that changed
+under the new tokens keeps it waiting, and at most MAX_WAITING_TOKENS tokens: past that the
+window is released as it decodes (only invalid UTF-8 gets there, and its U+FFFD stays).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 REPLACEMENT = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
+MAX_WAITING_TOKENS = 16  # a UTF-8 character has at most 4 bytes; this is well past any real wait
 
 
 class IncrementalText:
@@ -46,7 +53,14 @@ class IncrementalText:
             return ""
         before = self.decode(ids[self.prefix:self.read])
         after = self.decode(ids[self.prefix:])
-        if not finished and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
-            return ""  # no visible text yet, or a character whose bytes are still coming
+        if not finished and self._must_wait(before, after, len(ids)):
+            return ""
         self.prefix, self.read = self.read, len(ids)
         return after[len(before):]
+
+    def _must_wait(self, before: str, after: str, num_ids: int) -> bool:
+        """A character whose bytes are still coming, or text the new tokens changed, within the cap."""
+        if num_ids - self.read > MAX_WAITING_TOKENS:
+            return False
+        changed = len(after) <= len(before) and after != before
+        return changed or after.endswith(REPLACEMENT)

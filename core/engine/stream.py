@@ -1,4 +1,9 @@
-"""RequestStream: one request's output as an async iterator of StreamChunks (see AsyncEngine)."""
+"""RequestStream: one request's output as an async iterator of StreamChunks (see AsyncEngine).
+
+The engine thread hands the event loop one callback per step for all of that loop's streams;
+`put` only appends to a list and wakes the consumer, and the consumer takes every delta that
+came since its last chunk in one go (a consumer slower than the engine gets fewer, bigger chunks).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ class Delta:
     error: str | None
     final_text: str | None  # the whole text when a stop string cut it
     num_output_tokens: int
-    time: float = field(default_factory=time.perf_counter)
+    time: float = field(default_factory=time.perf_counter)  # the step's end (one clock read per step)
 
 
 @dataclass
@@ -63,7 +68,8 @@ class RequestStream:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._text = IncrementalText(decode, holdback)
-        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._pending: list[Delta] = []  # put on `loop`, not yet merged into a chunk
+        self._waiter: asyncio.Future[None] | None = None  # the consumer, while it waits
         self._on_close = on_close
         self.closed = False
 
@@ -73,7 +79,10 @@ class RequestStream:
 
     def put(self, delta: Delta) -> None:
         """Called on `loop` (the engine thread schedules it there)."""
-        self._queue.put_nowait(delta)
+        self._pending.append(delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -81,20 +90,38 @@ class RequestStream:
     async def __anext__(self) -> StreamChunk:
         if self.finished:
             raise StopAsyncIteration
-        deltas = [await self._queue.get()]
-        while not deltas[-1].finish_reason and not self._queue.empty():
-            deltas.append(self._queue.get_nowait())
-        return self._merge(deltas)
+        while not self._pending:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._merge(self._take())
+
+    def _take(self) -> list[Delta]:
+        """The pending deltas up to the first that ends the request (only a late abort from
+        `close` can follow it, so when the newest has no finish_reason none has)."""
+        pending = self._pending
+        if len(pending) == 1 or not pending[-1].finish_reason:
+            self._pending = []
+            return pending
+        end = next(i + 1 for i, d in enumerate(pending) if d.finish_reason)
+        taken, self._pending = pending[:end], pending[end:]
+        return taken
 
     def _merge(self, deltas: list[Delta]) -> StreamChunk:
         last = deltas[-1]
-        new_ids = [t for d in deltas for t in d.token_ids]
+        if len(deltas) == 1:  # the usual case: one step since the previous chunk
+            new_ids, logprobs, times = last.token_ids, last.logprobs, [last.time] * len(last.token_ids)
+        else:
+            new_ids = [t for d in deltas for t in d.token_ids]
+            logprobs = [lp for d in deltas for lp in d.logprobs]
+            times = [d.time for d in deltas for _ in d.token_ids]
         self.token_ids.extend(new_ids)
         self.finish_reason = last.finish_reason
         text = self._text.update(self.token_ids, finished=self.finished, final_text=last.final_text)
-        return StreamChunk(new_ids, [lp for d in deltas for lp in d.logprobs], text, last.finish_reason,
-                           last.error, self.num_prompt_tokens, last.num_output_tokens, last.time,
-                           [d.time for d in deltas for _ in d.token_ids])
+        return StreamChunk(new_ids, logprobs, text, last.finish_reason, last.error, self.num_prompt_tokens,
+                           last.num_output_tokens, last.time, times)
 
     def close(self) -> None:
         """Abort the request if it is still running (its KV is freed before the next step).

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from backplane.engine.async_engine import EngineDeadError, QueueFullError, RequestRejected
 from backplane.server.errors import ApiError, error_body
-from backplane.server.openai_format import Choice, Formatter
+from backplane.server.openai_format import Choice, Formatter, sse
 
 RETRY_AFTER_S = "1"
 SHUTDOWN_MESSAGE = "the server is shutting down"  # the abort reason of requests cut by SIGTERM
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def _failure_status(error: str | None) -> int:
@@ -113,24 +113,28 @@ async def collect(request: Any, gen: Generation) -> dict[str, Any]:
 
 
 async def event_stream(request: Any, gen: Generation) -> AsyncIterator[bytes]:
-    """Server-sent events: one `data: {json}` per chunk, usage last if asked, then `data: [DONE]`."""
+    """Server-sent events: one `data: {json}` per chunk, usage last if asked, then `data: [DONE]`.
+
+    The last chunk, the usage and `[DONE]` go out as one write, as do an error event and `[DONE]`.
+    """
     started = [False] * len(gen.choices)
+    num_finished, tail = 0, b""
     async with abort_on_disconnect(request, gen), contextlib.aclosing(merged(gen)) as chunks:
         async for i, chunk in chunks:
             choice = gen.choices[i]
             choice.add(chunk)
             gen.timers[i].on_chunk(chunk)
             if chunk.finish_reason == "abort":
-                yield _sse(error_body(_failure_status(chunk.error), chunk.error or "request aborted"))
+                tail = sse(error_body(_failure_status(chunk.error), chunk.error or "request aborted"))
                 break
+            event = b""
             if chunk.text or chunk.token_ids or chunk.finish_reason or not started[i]:
-                yield _sse(gen.formatter.chunk(choice, chunk, first=not started[i]))
+                event = gen.formatter.chunk_event(choice, chunk, first=not started[i])
                 started[i] = True
-        else:
-            if gen.include_usage:
-                yield _sse(gen.formatter.usage_chunk(gen.choices, gen.n))
-    yield b"data: [DONE]\n\n"
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+            num_finished += chunk.finish_reason is not None
+            if num_finished < len(gen.choices):
+                if event:
+                    yield event
+            else:  # the last chunk of the last output: the loop ends here
+                tail = event + (sse(gen.formatter.usage_chunk(gen.choices, gen.n)) if gen.include_usage else b"")
+    yield tail + DONE_EVENT

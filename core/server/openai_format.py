@@ -1,16 +1,29 @@
 """The OpenAI response shapes: completions and chat completions, whole or as stream chunks.
 
 A `Choice` gathers one output (prompt i, sample j) as its chunks arrive; the formatters turn
-choices into the response object, and single chunks into stream objects.
+choices into the response object, and single chunks into stream objects or, already encoded,
+server-sent events (`chunk_event`: the envelope is encoded once per response, only the choice
+once per chunk).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+
+# One compact encoder for every event (json.dumps with separators= builds a new one per call).
+JSON = json.JSONEncoder(separators=(",", ":"))
+_SLOT = "\x00choice"  # stands for the choice while the chunk envelope is encoded
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event: `data: {json}` and a blank line."""
+    return b"data: " + JSON.encode(obj).encode() + b"\n\n"
 
 
 def finite(logprob: float) -> float | None:
@@ -54,6 +67,7 @@ class Formatter:
         self.model, self.decode_token, self.with_logprobs, self.with_token_ids = model, decode_token, logprobs, token_ids
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._event_parts: tuple[bytes, bytes] | None = None  # a chunk event around its choice
 
     def _envelope(self, obj: str, choices: list[dict], usage_: dict | None) -> dict[str, Any]:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -75,10 +89,23 @@ class Formatter:
             out["prompt_token_ids"] = prompt_token_ids
         return out
 
+    def chunk(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
+        """The stream object of one chunk (`piece`, a StreamChunk) of choice `c`."""
+        return self._envelope(self.chunk_object_name, [self.chunk_choice(c, piece, first)], None)
+
+    def chunk_event(self, c: Choice, piece: Any, first: bool) -> bytes:
+        """sse(chunk(c, piece, first)), byte for byte, encoding only the choice."""
+        if self._event_parts is None:
+            event = sse(self._envelope(self.chunk_object_name, [_SLOT], None))
+            head, tail = event.rsplit(JSON.encode(_SLOT).encode(), 1)  # choices come after the model name
+            self._event_parts = head, tail
+        head, tail = self._event_parts
+        return head + JSON.encode(self.chunk_choice(c, piece, first)).encode() + tail
+
     def choice(self, c: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
+    def chunk_choice(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -97,11 +124,10 @@ class CompletionFormatter(Formatter):
         return {"index": c.index, "text": "".join(c.text), "logprobs": self._logprobs(c.token_ids, c.logprobs),
                 "finish_reason": c.finish_reason, **self._extras(c.token_ids, c.prompt_token_ids)}
 
-    def chunk(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
-        choice = {"index": c.index, "text": piece.text, "logprobs": self._logprobs(piece.token_ids, piece.logprobs),
-                  "finish_reason": piece.finish_reason,
-                  **self._extras(piece.token_ids, c.prompt_token_ids if first else None)}
-        return self._envelope(self.chunk_object_name, [choice], None)
+    def chunk_choice(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
+        return {"index": c.index, "text": piece.text, "logprobs": self._logprobs(piece.token_ids, piece.logprobs),
+                "finish_reason": piece.finish_reason,
+                **self._extras(piece.token_ids, c.prompt_token_ids if first else None)}
 
 
 class ChatFormatter(Formatter):
@@ -123,9 +149,8 @@ class ChatFormatter(Formatter):
         return {"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                 "finish_reason": c.finish_reason, **self._extras(c.token_ids, c.prompt_token_ids)}
 
-    def chunk(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
+    def chunk_choice(self, c: Choice, piece: Any, first: bool) -> dict[str, Any]:
         delta = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
-        choice = {"index": c.index, "delta": delta, "logprobs": self._logprobs(piece.token_ids, piece.logprobs),
-                  "finish_reason": piece.finish_reason,
-                  **self._extras(piece.token_ids, c.prompt_token_ids if first else None)}
-        return self._envelope(self.chunk_object_name, [choice], None)
+        return {"index": c.index, "delta": delta, "logprobs": self._logprobs(piece.token_ids, piece.logprobs),
+                "finish_reason": piece.finish_reason,
+                **self._extras(piece.token_ids, c.prompt_token_ids if first else None)}

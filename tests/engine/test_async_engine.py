@@ -10,7 +10,7 @@ import pytest
 from backplane import AsyncEngine, AttentionBackendSpec, Engine, SamplingParams
 from backplane.attention import TorchNativeAttnBackend
 from backplane.engine.async_engine import QueueFullError, RequestRejected
-from backplane.engine.detokenize import IncrementalText
+from backplane.engine.detokenize import MAX_WAITING_TOKENS, IncrementalText
 from backplane.models.byte_tokenizer import ByteTokenizer
 from backplane.plugin.hookspecs import hookimpl
 
@@ -61,6 +61,30 @@ def test_streams_equal_generate(engine, reference):
         assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
         assert chunks[-1].num_output_tokens == 10
     assert engine.kv_usage[0] == 0 and engine.num_running == 0 and engine.num_waiting == 0
+
+
+def test_one_loop_callback_per_step_serves_every_stream(engine, monkeypatch):
+    """The engine thread hands the loop one callback per step for all its streams, never one per
+    stream or token (each costs the engine a wake-up of the loop and a turn at the GIL)."""
+    steps, callbacks = [], []
+    step = engine.engine._step
+    monkeypatch.setattr(engine.engine, "_step", lambda: steps.append(1) or step())
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            callbacks.append(callback)
+            return schedule(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        streams = engine.add_requests([[1, 30 + i, 40] for i in range(8)], [GREEDY] * 8)
+        return await asyncio.gather(*map(_drain, streams))
+
+    results = asyncio.run(run())
+    assert [len(ids) for _, ids, _ in results] == [10] * 8  # 80 tokens in all
+    assert 10 <= len(steps) and 1 <= len(callbacks) <= len(steps)
 
 
 def test_abort_frees_the_kv_pool_before_the_next_step(engine):
@@ -136,3 +160,34 @@ def test_incremental_text_holds_back_a_possible_stop_string():
     inc = IncrementalText(tok.decode, holdback=2)
     assert inc.update(ids[:4]) == "ab"  # "cd" might start a 3-character stop string
     assert inc.update(ids[:5], final_text="abc") == "c"  # the engine cut the text at the stop
+
+
+def _recording(decode):
+    windows = []
+
+    def record(ids):
+        windows.append(len(ids))
+        return decode(ids)
+    return record, windows
+
+
+def test_incremental_text_window_moves_past_tokens_without_text():
+    tok = ByteTokenizer()
+    text_ids = tok.encode("héllo", add_special_tokens=False)
+    # ids past the byte range decode to nothing (as most ids of a large vocabulary do for this tokenizer)
+    ids = [300 + i for i in range(200)] + text_ids + [400] * 50 + tok.encode("✓", add_special_tokens=False)
+    decode, windows = _recording(tok.decode)
+    inc = IncrementalText(decode)
+    pieces = [inc.update(ids[:i], finished=i == len(ids)) for i in range(1, len(ids) + 1)]
+    assert "".join(pieces) == tok.decode(ids) == "héllo✓"
+    assert max(windows) <= 4  # a few tokens a step, not the whole output (the window used to stay at 0)
+
+
+def test_incremental_text_waits_at_most_the_cap_on_invalid_utf8():
+    tok = ByteTokenizer()
+    ids = tok.encode("a", add_special_tokens=False) + [0x80 + 3] * 100  # lone continuation bytes: never whole
+    decode, windows = _recording(tok.decode)
+    inc = IncrementalText(decode)
+    pieces = [inc.update(ids[:i], finished=i == len(ids)) for i in range(1, len(ids) + 1)]
+    assert "".join(pieces) == tok.decode(ids) and "".join(pieces[:MAX_WAITING_TOKENS + 3]).startswith("a\ufffd")
+    assert max(windows) <= 2 * MAX_WAITING_TOKENS + 2
