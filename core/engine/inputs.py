@@ -67,6 +67,8 @@ def _prompt_input(item: Any, name: str, allow_text: bool) -> PromptInput:
         return PromptInput(ids=[int(t) for t in item.tolist()])
     if not isinstance(item, (list, tuple)):
         return PromptInput(error=f"{name}: expected {_EXPECTED[allow_text]}, got {type(item).__name__} {_short(item)}")
+    if set(map(type, item)) <= {int}:  # the common case, checked at C speed (bool is not int here)
+        return PromptInput(ids=list(item))
     for i, token in enumerate(item):
         if not _is_int(token):
             return PromptInput(error=f"{name}: expected integer token ids, got {_short(token)} "

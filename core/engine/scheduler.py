@@ -98,8 +98,9 @@ class Scheduler:
             return (f"request {req.rid}: prompt of {n} tokens + max_new_tokens {m} needs {n + m + spare} KV slots "
                     f"but the pool holds {self.kv_pool.num_slots}; raise --max-total-tokens")
         vocab = getattr(getattr(self.runner, "hf_config", None), "vocab_size", None)
-        bad = next((t for t in req.prompt_ids if not 0 <= t < vocab), None) if vocab else None
-        if bad is not None:
+        ids = req.prompt_ids
+        if vocab and not (min(ids) >= 0 and max(ids) < vocab):  # min/max first: they run at C speed
+            bad = next(t for t in ids if not 0 <= t < vocab)
             return f"request {req.rid}: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
         return None
 
