@@ -50,7 +50,7 @@ class PrefixCacheStats:
 
 def prefill_target(req: Req) -> int:
     """Tokens whose KV a prefill computes: all but the last generated one (it has no KV yet)."""
-    return len(req.all_ids) - (1 if req.output_ids else 0)
+    return req.num_tokens - (1 if req.output_ids else 0)
 
 
 class PrefixCache:
@@ -89,7 +89,7 @@ class PrefixCache:
         """
         if not self.enabled:
             return True
-        key = req.all_ids[:prefill_target(req) - 1]
+        key = req.ids_between(0, prefill_target(req) - 1)
         found = self.tree.match(key, req.lora)
         if batch is not None:
             if batch.match(key, req.lora).length >= found.length + IN_BATCH_SHARE_MIN:
@@ -126,7 +126,7 @@ class PrefixCache:
         """
         if not self.enabled or req.num_cached <= req.num_shared:
             return
-        key, slots = req.all_ids[:req.num_cached], torch.cat(req.slots)
+        key, slots = req.ids_between(0, req.num_cached), torch.cat(req.slots)
         if self.tree.match(key, req.lora).length != req.num_shared:
             return
         self.tree.insert(key, slots, req.lora)

@@ -145,7 +145,7 @@ class Scheduler:
                 break
             if is_new and not cache.match(req, in_batch):
                 continue  # a request in this batch computes its prefix; it reads it from the cache next
-            remaining = len(req.all_ids) - req.num_cached - (1 if req.output_ids else 0)
+            remaining = req.num_tokens - req.num_cached - (1 if req.output_ids else 0)
             n = min(remaining, budget)
             if n > cache.available() - reserve - sum(chunks) or (is_new and not self._admissible(req, reqs)):
                 if is_new:
@@ -227,7 +227,7 @@ class Scheduler:
 
     def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> LaunchedStep | None:
         batch = self._prepare(build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool), reqs)
-        completes = [req.num_cached + n == len(req.all_ids) for req, n in zip(reqs, chunks)]
+        completes = [req.num_cached + n == req.num_tokens for req, n in zip(reqs, chunks)]
         for req, n in zip(reqs, chunks):
             req.num_cached += n
         if self.spec_worker is not None:  # EAGLE keeps the target's hidden states of the prompt
