@@ -145,6 +145,8 @@ class Scheduler:
                 break
             if is_new and not cache.match(req, in_batch):
                 continue  # a request in this batch computes its prefix; it reads it from the cache next
+            if not is_new:
+                cache.computes_in_batch(req, in_batch)
             remaining = req.num_tokens - req.num_cached - (1 if req.output_ids else 0)
             n = min(remaining, budget)
             if n > cache.available() - reserve - sum(chunks) or (is_new and not self._admissible(req, reqs)):
@@ -234,8 +236,8 @@ class Scheduler:
             logits = self.spec_worker.forward_prefill(batch, reqs, chunks).logits
         else:
             logits = self.runner.forward(batch).logits
-        for req in reqs:
-            self.prefix_cache.cache_prefilled(req)
+        for req, n in zip(reqs, chunks):
+            self.prefix_cache.cache_prefilled(req, n)
         done = [req for req, c in zip(reqs, completes) if c]
         if not done:
             return None
