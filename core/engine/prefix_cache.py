@@ -1,6 +1,9 @@
 """PrefixCache: the scheduler's prefix caching, requests on one side and the radix tree on the other.
 
-The scheduler calls, per request:
+The scheduler asks for `admission_order(waiting)` when it may admit requests: the waiting queue
+with the longest cached prefixes first (SGLang's "longest prefix match" policy), so that requests
+reuse the cache while it holds their prefix instead of admitting them in arrival order and
+evicting what the next ones need. Then it calls, per request:
   - `match(req, batch)` when it considers a waiting request: take the longest cached prefix of
     what the request must prefill (locked, so it is not evicted) -- req.num_cached, req.slots and
     req.num_shared start at it -- or defer the request (False) when a request already chosen for
@@ -23,7 +26,7 @@ With `enabled=False` (--disable-radix-cache) nothing is cached and every request
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -36,6 +39,9 @@ from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 # reads them from the cache instead of computing them a second time. A shorter common head (a chat
 # template's first tokens) holds nobody back.
 IN_BATCH_SHARE_MIN = 32
+# Longer waiting queues are admitted in arrival order: ordering looks every waiting request up in
+# the tree (a few microseconds per thousand cached tokens) each time requests may be admitted.
+LPM_MAX_WAITING = 256
 
 
 @dataclass
@@ -85,6 +91,21 @@ class PrefixCache:
         return self.tree.evict(self.tree.evictable_size)
 
     # -- admission ------------------------------------------------------------------------------
+
+    def admission_order(self, waiting: Sequence[Req]) -> list[Req]:
+        """The waiting requests, longest cached prefix first; ties (and every request when the
+        cache is off or more than LPM_MAX_WAITING wait) in arrival order. Reads the tree only."""
+        if not self.enabled or not 1 < len(waiting) <= LPM_MAX_WAITING:
+            return list(waiting)
+        cached = [self._cached_length(req) for req in waiting]
+        order = sorted(range(len(waiting)), key=lambda i: -cached[i])
+        return [waiting[i] for i in order]
+
+    def _cached_length(self, req: Req) -> int:
+        """What `match` would find for the request, without copying its prompt."""
+        stop = prefill_target(req) - 1
+        key = req.prompt_ids if stop <= len(req.prompt_ids) else req.ids_between(0, stop)
+        return self.tree.match_length(key, req.lora, stop)
 
     def match(self, req: Req, batch: RadixTree | None = None) -> bool:
         """Start a waiting request at its longest cached prefix; False to defer it (see module doc).

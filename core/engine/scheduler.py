@@ -7,10 +7,10 @@ slots the newest running request is preempted: its slots are freed and it waits 
 recomputed later with its output so far. A request that could never fit (longer than the
 context or the whole pool) is aborted with a clear error while the others go on.
 
-With a prefix cache (backplane.engine.prefix_cache), admission starts a request at its longest
-cached prefix and prefills only the rest; finished and preempted requests leave their KV in the
-cache, whose unreferenced entries are evicted (least recently used first) before anything is
-preempted.
+With a prefix cache (backplane.engine.prefix_cache), waiting requests are admitted longest cached
+prefix first, and admission starts a request at its longest cached prefix and prefills only the
+rest; finished and preempted requests leave their KV in the cache, whose unreferenced entries are
+evicted (least recently used first) before anything is preempted.
 """
 
 from __future__ import annotations
@@ -136,7 +136,9 @@ class Scheduler:
         reqs, chunks, budget = [], [], self.chunk_size
         reserve = self.decode_slots_per_request * sum(1 for r in self.running if not r.needs_prefill)
         cache, in_batch = self.prefix_cache, RadixTree()
-        candidates = [r for r in self.running if r.needs_prefill] + list(self.waiting)
+        may_admit = len(self.running) < self.max_running
+        candidates = [r for r in self.running if r.needs_prefill] + (
+            cache.admission_order(self.waiting) if may_admit else list(self.waiting))
         for req in candidates:
             is_new = req.row is None
             if budget == 0 or (is_new and len(self.running) + sum(r.row is None for r in reqs) >= self.max_running):
