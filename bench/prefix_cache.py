@@ -6,7 +6,8 @@ Per model (default llama-3.2-1b and llama-3.1-8b):
    generates --output-len tokens (128, ignore_eos); requests shuffled, all submitted at once.
 2. nothing shared: as many requests of the same total prompt length, all distinct.
    Each workload runs --repeats times with the cache off and on, alternating (off on on off ...),
-   on the same engine (the cache is swapped, graphs and pools stay); the medians are compared.
+   on the same engine (the cache is swapped, graphs and pools stay; the pool's free list is put
+   back in a fresh pool's order before each run); the medians are compared.
    Every run reports the tokens its prefills computed (the ideal with the cache: groups x prefix +
    requests x suffix) and its decode steps, and how many of those ran without a CUDA graph.
 3. TTFT probe, on an idle engine, cache on, --probes rounds of distinct prompts of the same length,
@@ -81,9 +82,11 @@ def ideal_prefill_tokens(ns: argparse.Namespace) -> dict[str, dict[str, int]]:
 
 
 def set_cache(engine: Engine, enabled: bool) -> None:
-    """Empty the cache and turn it on or off (between runs, when no request is running)."""
+    """Empty the cache and turn it on or off (between runs, when no request is running). The free
+    list is sorted again, so every run starts from a fresh pool's slot order, not the previous run's."""
     engine.scheduler.prefix_cache.clear()
     runner = engine.runner
+    runner.token_to_kv_pool.sort_free()
     engine.scheduler.prefix_cache = PrefixCache(runner.token_to_kv_pool, runner.req_to_token_pool, enabled=enabled)
 
 
