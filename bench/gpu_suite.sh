@@ -19,6 +19,8 @@
 #                                 rates 1/4/16/inf over streamed HTTP, against the offline Engine (issue 21)
 #   bench/gpu_suite.sh matrix     tests/gpu/test_combinations_gpu.py (every plugin combination, issue 19) in
 #                                 MATRIX_SHARDS (3) parallel shards, then the merged summary (matrix.json)
+#   bench/gpu_suite.sh compile    bench/compile_speed.py: graphs with and without --enable-torch-compile (1B,
+#                                 triton and flashinfer, bs 1/8/32, capture time; issue 19)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -157,9 +159,12 @@ case "$what" in
     done
     for i in "${!pids[@]}"; do wait "${pids[$i]}"; test_summary "matrix-$i" $?; done
     python3 bench/matrix_summary.py "$out/matrix.json" "$out"/matrix-[0-9]*.json | tee "$out/matrix-summary.log" ;;
+  compile)
+    TAIL=12 step compile-speed 560 python3 bench/compile_speed.py --model llama-3.2-1b \
+      ${COMPILE_BACKENDS:+--backends $COMPILE_BACKENDS} --out "$out/compile_speed.json" ;;
   plot) plot ;;
   tests|kernels|serving|matrix) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, compile, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

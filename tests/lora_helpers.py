@@ -14,7 +14,6 @@ from backplane.engine.request import Req
 from backplane.engine.sampling_params import SamplingParams
 from backplane.executor.batch import ForwardMode
 from backplane.executor.graph_runner import GraphRunner, pad_into
-from backplane.executor.model_runner import _product
 from backplane.models.base import ModelOutput
 from helpers_models import make_hf_model, tiny_hf_config
 
@@ -113,8 +112,10 @@ class EagerReplayGraphs(GraphRunner):
     def replay(self, batch):
         key = self.key_for(batch)
         padded = pad_into(self.static, batch, key, self.pad_row, self.fill)
-        self.runner.prepare_graph_batch(padded, key, real=batch)
+        self.prepare_contributors(padded, key, real=batch)
         self.backend.init_forward_metadata(padded)
+        for contributor in self.ctx.contributors:  # what the captured kernels would have read
+            contributor.begin_forward(padded)
         self.replayed.append(key)
         return ModelOutput(self.model(padded).logits[: batch.num_tokens])
 
@@ -122,8 +123,7 @@ class EagerReplayGraphs(GraphRunner):
 def with_fake_graphs(engine) -> EagerReplayGraphs:
     runner = engine.runner
     runner.attn_backend.init_graph_state = lambda *args: None  # eager attention, see EagerReplayGraphs
-    variants = _product([c.graph_variants() for c in runner.graph_contributors])
-    graphs = EagerReplayGraphs(runner, [ForwardMode.DECODE], variants)
+    graphs = EagerReplayGraphs(runner.graph_context(), [ForwardMode.DECODE])
     graphs.replayed = []
     graphs.capture()
     runner.graph_runner = graphs

@@ -1,6 +1,7 @@
 """Rank 0's side of tensor parallelism: start the workers, send them every batch, stop them.
 
-The Engine's process is rank 0: it owns the scheduler, and its ModelRunner.forward goes through
+The Engine's process is rank 0: it owns the scheduler, and its ModelRunner is built with the
+driver as its `ForwardRouter` (`ModelRunner(router=driver)`), so every forward goes through
 `TPDriver.run`, which broadcasts the batch's host data before running the local forward. Any
 failure stops the workers; a worker's own failure comes back as WorkerFailedError naming it.
 """
@@ -20,7 +21,7 @@ from backplane.distributed.batch_sync import pack_batch
 from backplane.distributed.broadcast import broadcast_object
 from backplane.distributed.launcher import (WorkerConfig, WorkerHandles, apply_env, free_port,
                                             init_groups)
-from backplane.distributed.lora_sync import pack_lora
+from backplane.distributed.lora_sync import LoraSlotTable, pack_lora
 from backplane.distributed.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ _ACTIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class TPDriver:
-    """The worker processes of one tensor-parallel engine, seen from rank 0."""
+    """The worker processes of one tensor-parallel engine, seen from rank 0 (a ForwardRouter)."""
 
     def __init__(self, args: Any, extra_plugins: list[Any]):
         check_tp_settings(args)
@@ -49,7 +50,8 @@ class TPDriver:
         self.workers = WorkerHandles.spawn(worker_main, configs)
         self.failed: BaseException | None = None
         self.closed = False
-        self.lora_manager = None
+        self.ready = False
+        self.lora: LoraSlotTable | None = None
         _ACTIVE.add(self)
         try:
             if self.backend == "nccl":
@@ -60,11 +62,12 @@ class TPDriver:
             self.shutdown(failed=True)
             raise
 
-    def attach(self, runner: Any, lora_manager: Any) -> None:
-        """Wait for every worker's runner, then route `runner.forward` through this driver."""
+    def wait_ready(self, lora: LoraSlotTable | None) -> None:
+        """Wait for every worker's runner; from then on `run` serves forwards. `lora`: rank 0's
+        LoraManager, whose slot table each LoRA batch carries to the workers (None: no LoRA)."""
         self.workers.wait_ready()
-        self.lora_manager = lora_manager
-        runner.tp_driver = self
+        self.lora = lora
+        self.ready = True
         if self.backend == "nccl":  # NCCL waits forever on a dead peer: abort the group instead
             threading.Thread(target=self._watch, name="backplane-tp-watch", daemon=True).start()
 
@@ -72,7 +75,9 @@ class TPDriver:
         """Broadcast `batch` to the workers, then run it here; returns rank 0's output."""
         if self.closed:
             raise RuntimeError(f"tensor-parallel engine is shut down{_after(self.failed)}")
-        msg = pack_batch(batch, pack_lora(self.lora_manager, batch))
+        if not self.ready:
+            raise RuntimeError("tensor-parallel driver: a forward before wait_ready(); the workers are not serving yet")
+        msg = pack_batch(batch, pack_lora(self.lora, batch))
         try:
             broadcast_object(msg, 0, self.parallel.cpu_group)
             return forward_local(batch)

@@ -8,7 +8,10 @@ each batch carries that slot table and the batch's segments, and the worker load
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from backplane.lora.manager import LoraManager
 
 
 @dataclass
@@ -20,20 +23,28 @@ class LoraMessage:
     slot_of: dict[str, int]
 
 
-def pack_lora(manager: Any, batch: Any) -> LoraMessage | None:
+@runtime_checkable
+class LoraSlotTable(Protocol):
+    """What rank 0's driver reads of its LoraManager: which adapter sits in which slot."""
+
+    def resident_slots(self) -> dict[str, int]:
+        """Adapter name -> slot, for every adapter now loaded."""
+
+
+def pack_lora(slots: LoraSlotTable | None, batch: Any) -> LoraMessage | None:
     """rank 0: the batch's LoRA segments and the resident adapters (None for a base-only batch)."""
     info = getattr(batch, "lora_info", None)
-    if manager is None or info is None:
+    if slots is None or info is None:
         return None
     bs = info.bs
     return LoraMessage(info.seg_lens_cpu[:bs].tolist(), info.weight_indices_cpu[:bs].tolist(),
-                       dict(manager.pool.slot_of))
+                       slots.resident_slots())
 
 
 class LoraMirror:
     """A worker's view of rank 0's slot table, over the worker's own LoraManager."""
 
-    def __init__(self, manager: Any):
+    def __init__(self, manager: LoraManager | None):
         self.manager = manager
         self.resident: dict[int, str] = {}  # slot -> adapter name loaded there
 

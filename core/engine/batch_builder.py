@@ -10,27 +10,21 @@ from backplane.engine.request import Req
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 
-def _assign_slots(reqs: list[Req], counts: list[int], kv_pool: TokenToKVPool,
-                  req_pool: ReqToTokenPool) -> torch.Tensor:
-    """Allocate counts[i] new KV slots for reqs[i] and record them in req_to_token; returns them (host)."""
+def _assign_slots(reqs: list[Req], counts: list[int], kv_pool: TokenToKVPool) -> torch.Tensor:
+    """Allocate counts[i] new KV slots for reqs[i]; returns them (host). The batch's single copy
+    to the device then records them in req_to_token (`_make_batch`)."""
     slots = kv_pool.alloc(sum(counts))
-    rows, positions = [], []
     start = 0
     for req, n in zip(reqs, counts):
         req.slots.append(slots[start:start + n])
-        rows += [req.row] * n
-        positions += range(req.num_cached, req.num_cached + n)
         start += n
-    device = req_pool.req_to_token.device
-    req_pool.req_to_token[torch.tensor(rows, device=device), torch.tensor(positions, device=device)] = (
-        slots.to(device, torch.int32))
     return slots
 
 
 def build_extend_batch(reqs: list[Req], chunks: list[int], kv_pool: TokenToKVPool,
                        req_pool: ReqToTokenPool, mode: ForwardMode = ForwardMode.EXTEND) -> ForwardBatch:
     """reqs[i] computes `chunks[i]` new tokens after its `num_cached` cached ones."""
-    out_cache_loc = _assign_slots(reqs, chunks, kv_pool, req_pool)
+    out_cache_loc = _assign_slots(reqs, chunks, kv_pool)
     input_ids, positions = [], []
     for req, n in zip(reqs, chunks):
         input_ids += req.ids_between(req.num_cached, req.num_cached + n)
@@ -48,7 +42,7 @@ def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToT
     A token still in flight (overlap scheduling) goes in as its negative placeholder from
     `future`; the caller resolves `input_ids` on the device before the forward.
     """
-    out_cache_loc = _assign_slots(reqs, [1] * len(reqs), kv_pool, req_pool)
+    out_cache_loc = _assign_slots(reqs, [1] * len(reqs), kv_pool)
     input_ids = [_last_token(req, future) for req in reqs]
     positions = [req.num_cached for req in reqs]
     seq_lens = [p + 1 for p in positions]
@@ -65,16 +59,32 @@ def _last_token(req: Req, future: FutureTokens | None) -> int:
 
 def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_pool, kv_pool,
                 prefix=None, extend=None) -> ForwardBatch:
+    """The batch's host lists go to the device in ONE non-blocking copy of a packed int64 tensor.
+
+    A blocking host-to-device copy (`.to(device)`, `torch.tensor(..., device=...)`) synchronizes the
+    stream, that is waits for the step in flight: under overlap scheduling it would serialize the
+    host with the GPU again. A pageable source is staged before the copy returns, so the packed
+    tensor may be dropped at once.
+    """
     device = req_pool.req_to_token.device
-
-    def dev(values, dtype=torch.int64):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+    n, bs = len(input_ids), len(reqs)
+    counts = extend if extend is not None else [1] * bs
+    token_rows = [req.row for req, c in zip(reqs, counts) for _ in range(c)]
+    host = torch.empty(4 * n + 2 * bs, dtype=torch.int64)
+    host[:n] = torch.tensor(input_ids, dtype=torch.int64)
+    host[n:2 * n] = torch.tensor(positions, dtype=torch.int64)
+    host[2 * n:3 * n] = out_cache_loc
+    host[3 * n:4 * n] = torch.tensor(token_rows, dtype=torch.int64)
+    host[4 * n:4 * n + bs] = torch.tensor([req.row for req in reqs], dtype=torch.int64)
     seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    host[4 * n + bs:] = seq_lens_cpu
+    packed = host.to(device, non_blocking=True)
+    positions_d, loc_d = packed[n:2 * n], packed[2 * n:3 * n]
+    req_pool.req_to_token[packed[3 * n:4 * n], positions_d] = loc_d.to(torch.int32)
     batch = ForwardBatch(
-        forward_mode=mode, batch_size=len(reqs), input_ids=dev(input_ids), positions=dev(positions),
-        req_pool_indices=dev([req.row for req in reqs]), seq_lens=seq_lens_cpu.to(device),
-        seq_lens_cpu=seq_lens_cpu, out_cache_loc=out_cache_loc.to(device),
+        forward_mode=mode, batch_size=bs, input_ids=packed[:n], positions=positions_d,
+        req_pool_indices=packed[4 * n:4 * n + bs], seq_lens=packed[4 * n + bs:].to(torch.int32),
+        seq_lens_cpu=seq_lens_cpu, out_cache_loc=loc_d,
         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
     )
     if extend is not None:

@@ -45,14 +45,15 @@ class Engine:
         # --tp-size N: this process is rank 0 and spawns ranks 1..N-1 (None at tp size 1).
         self.tp = start_tensor_parallel(self.args, plugins)
         with tp_startup(self.tp):  # a failure here stops the workers and names one that caused it
-            self.runner = ModelRunner(self.args, self.plugin_set, self.tp.parallel if self.tp else None)
+            self.runner = ModelRunner(self.args, self.plugin_set, self.tp.parallel if self.tp else None,
+                                      router=self.tp)
             # NOTE: LoRA wraps the model and joins the graph key, so it must exist before capture.
-            self.lora_manager = attach_lora(self.runner)
+            self.lora_manager = attach_lora(self.runner)  # a contributor of the runner
             participants = [self.lora_manager] if self.lora_manager else []
             # NOTE: verify batches go through the same participants: each request keeps its adapter.
             self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner, participants)
             if self.tp is not None:
-                self.tp.attach(self.runner, self.lora_manager)  # waits for every worker's runner
+                self.tp.wait_ready(self.lora_manager)  # waits for every worker's runner
             self.runner.init_cuda_graphs()
             if self.spec_worker is not None:
                 self.spec_worker.init_cuda_graphs()  # the draft's graphs share the target's pool
@@ -71,7 +72,7 @@ class Engine:
             logger.info("overlap scheduling is off under speculative decoding (%s): each step's tokens "
                         "are read before the next is built", self.spec.name)
         if self.lora_manager:
-            self.lora_manager.running = lambda: self.scheduler.running
+            self.lora_manager.bind_running(self.scheduler)  # the running requests' adapters stay loaded
         self._rids = itertools.count()
         self._lock = threading.Lock()  # one generate call at a time: the scheduler is not thread-safe
 

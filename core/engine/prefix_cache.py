@@ -147,7 +147,7 @@ class PrefixCache:
         self.counts.hit_tokens += req.num_shared
         if req.num_shared:
             device = self.req_pool.req_to_token.device
-            self.req_pool.req_to_token[req.row, :req.num_shared] = req.slots[0].to(device, torch.int32)
+            self.req_pool.req_to_token[req.row, :req.num_shared] = req.slots[0].to(device, torch.int32, non_blocking=True)
 
     # -- after prefill, finish, preemption, abort -------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from backplane.executor.batch import ForwardBatch
+from backplane.executor.protocols import SchedulerParticipant
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.overlap import FutureTokens, LaunchedStep, OverlapLoop
 from backplane.engine.prefix_cache import PrefixCache
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, runner, max_running: int, chunk_size: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str], seed: int = 0,
-                 participants: list[Any] | None = None, spec_worker: Any = None,
+                 participants: list[SchedulerParticipant] | None = None, spec_worker: Any = None,
                  prefix_cache: PrefixCache | None = None, overlap: bool = False):
         self.runner = runner
         self.req_pool = runner.req_to_token_pool
@@ -50,9 +51,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.shared_generator = torch.Generator(runner.device).manual_seed(seed)
-        # Components that take part in scheduling (the LoRA manager): each may refuse to admit a
-        # request next to the running ones (`can_admit(req, running)`), and binds its per-batch
-        # state before every forward (`prepare_batch(batch, reqs)`).
+        # SchedulerParticipants (the LoRA manager): each may refuse to admit a request next to the
+        # running ones (`can_admit(req, running)`), and describes every batch before it runs
+        # (`prepare_batch(batch, reqs)`).
         self.participants = participants or []
         # A speculative-decoding worker replaces the plain decode step (`decode(reqs)`).
         self.spec_worker = spec_worker
@@ -244,7 +245,7 @@ class Scheduler:
         if not done:
             return None
         if len(done) < len(reqs):
-            rows = torch.tensor([i for i, c in enumerate(completes) if c], device=logits.device)
+            rows = torch.tensor([i for i, c in enumerate(completes) if c]).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, rows)
         return self._sample_on_device(done, logits)
 

@@ -14,14 +14,22 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.graph_sizes import GraphKey, capture_batch_sizes, padded_size
-from backplane.models.base import ModelOutput
+from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, padded_size,
+                                            tokens_per_request)
+from backplane.models.base import ModelContext, ModelOutput
 from backplane.executor.compiled import CompiledForward
+
+if TYPE_CHECKING:
+    from backplane.attention.base import AttentionBackend
+    from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+    from backplane.executor.protocols import GraphContributor
+    from backplane.plugin.selection import Selection
+    from backplane.settings import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -167,30 +175,57 @@ def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu:
     return view
 
 
-class GraphRunner:
-    """Captures and replays decode graphs for one model runner."""
+@dataclass(frozen=True)
+class GraphRunnerContext:
+    """What a GraphRunner reads from its model runner (`ModelRunner.graph_context()`).
 
-    def __init__(self, runner: Any, modes: list[ForwardMode], extras_variants: list[tuple] | None = None):
-        self.runner = runner
-        self.model = runner.model
-        self.backend = runner.attn_backend
-        self.fill = runner.seq_len_fill_value
-        self.pad_row = runner.req_to_token_pool.size - 1
-        self.sizes, self.compile_sizes = capture_batch_sizes(runner.args, self.pad_row)
+    model, model_ctx: the model whose forward is captured and its context (torch.compile swaps its
+    ops); attn_backend: the backend the graphs' attention runs (graph state, capture and replay
+    metadata); attention: the decode backend's selection (its seq_len fill value for padded
+    requests; named when a capture fails); args: the graph settings (--cuda-graph-*, torch.compile,
+    the draft-token count); contributors: the runner's graph contributors, which key every graph
+    and bind their state for capture and replay.
+    """
+
+    model: torch.nn.Module
+    model_ctx: ModelContext
+    attn_backend: AttentionBackend
+    attention: Selection
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    device: torch.device
+    args: EngineArgs
+    contributors: tuple[GraphContributor, ...] = ()
+
+
+class GraphRunner:
+    """Captures and replays decode graphs for one model runner.
+
+    extras_variants: the graph-key extras to capture each size for; by default every combination
+    of the contributors' `graph_variants()`.
+    """
+
+    def __init__(self, ctx: GraphRunnerContext, modes: list[ForwardMode], extras_variants: list[tuple] | None = None):
+        self.ctx = ctx
+        self.model = ctx.model
+        self.backend = ctx.attn_backend
+        self.fill = ctx.attention.spec.seq_len_fill_value
+        self.pad_row = ctx.req_to_token_pool.size - 1
+        self.sizes, self.compile_sizes = capture_batch_sizes(ctx.args, self.pad_row)
         self.modes = modes
-        self.tokens_per_request = {m: runner.tokens_per_request(m) for m in modes}
-        self.extras_variants = extras_variants or [()]
+        self.tokens_per_request = {m: tokens_per_request(ctx.args, m) for m in modes}
+        self.extras_variants = extras_variants or combine_variants([c.graph_variants() for c in ctx.contributors])
         max_bs = max(self.sizes)
         max_tokens = max_bs * max(self.tokens_per_request.values())
         verify_tpr = self.tokens_per_request.get(ForwardMode.TARGET_VERIFY, 0)
-        mask_size = max_bs * verify_tpr * runner.req_to_token_pool.max_context_len
-        self.static = StaticInputs.allocate(max_bs, max_tokens, runner.device, mask_size)
+        mask_size = max_bs * verify_tpr * ctx.req_to_token_pool.max_context_len
+        self.static = StaticInputs.allocate(max_bs, max_tokens, ctx.device, mask_size)
         self.backend.init_graph_state(max_bs, max_tokens)
         # Every graph writes its fp32 logits into views of this one buffer (only one graph replays at
         # a time): kept outputs of their own would hold a [tokens, vocab] tensor per graph in the pool,
         # and the draft runners capturing later could reuse none of it.
         self.static_logits = torch.empty((max_tokens, self.model.vocab_size), dtype=torch.float32,
-                                         device=runner.device)
+                                         device=ctx.device)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.compiled: CompiledForward | None = None
         self.outputs: dict[GraphKey, ModelOutput] = {}
@@ -238,10 +273,10 @@ class GraphRunner:
         seq_lens_cpu = torch.full((key.batch_size,), fill, dtype=torch.int32)
         like = ForwardBatch(key.mode, key.batch_size, self.static.input_ids, self.static.positions,
                             self.static.req_pool_indices, self.static.seq_lens, seq_lens_cpu,
-                            self.static.out_cache_loc, self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
+                            self.static.out_cache_loc, self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool)
         if key.mode is ForwardMode.TARGET_VERIFY:
             like.capture_hidden = True  # EAGLE drafts from them; harmless for others
-        self.runner.prepare_graph_batch(like, key)
+        self.prepare_contributors(like, key)
         view = _view(self.static, key, like, seq_lens_cpu)
         if key.mode is ForwardMode.TARGET_VERIFY:  # capture with a mask: replays always carry one
             _pad_verify(self.static, view, self.static.custom_mask[:0], 0)
@@ -251,6 +286,8 @@ class GraphRunner:
         batch = self._capture_batch(key)
         batch.logits_out = self.static_logits
         self.backend.init_metadata_for_capture(key, batch)
+        for contributor in self.ctx.contributors:  # bound once: warm-up and capture run the same batch
+            contributor.begin_forward(batch)
         forward = self._forward_fn(key)
         self.graphs[key], self.outputs[key] = capture_graph(lambda: forward(batch), global_graph_pool())
 
@@ -258,12 +295,12 @@ class GraphRunner:
         if key.batch_size not in self.compile_sizes:
             return self.model
         if self.compiled is None:  # one torch.compile, one specialisation per captured shape
-            self.compiled = CompiledForward(self.model, self.runner.model_ctx, dynamic=False)
+            self.compiled = CompiledForward(self.model, self.ctx.model_ctx, dynamic=False)
         return self.compiled
 
     def _failure_message(self, key: GraphKey, exc: Exception) -> str:
-        choice = self.runner.attn_choices["decode"]
-        args = self.runner.args
+        choice = self.ctx.attention
+        args = self.ctx.args
         remedies = [f"lower --cuda-graph-max-bs (now {args.cuda_graph_max_bs})",
                     f"lower --mem-fraction-static (now {args.mem_fraction_static})", "--disable-cuda-graph"]
         if args.enable_torch_compile:
@@ -271,6 +308,17 @@ class GraphRunner:
         return (f"CUDA graph capture failed at batch size {key.batch_size} ({key.mode.value}, attention "
                 f"backend {choice.spec.name!r} of plugin {choice.plugin!r}): {type(exc).__name__}: {exc}. "
                 f"Remedies: {'; '.join(remedies)}")
+
+    # -- contributors ---------------------------------------------------------------------------
+
+    def key_extras(self, batch: ForwardBatch) -> tuple:
+        """The contributors' items of the key of `batch`'s graph, in contributor order."""
+        return tuple(item for c in self.ctx.contributors for item in c.graph_key_extras(batch))
+
+    def prepare_contributors(self, batch: ForwardBatch, key: GraphKey, real: ForwardBatch | None = None) -> None:
+        """Let every contributor bind its per-batch state (LoRA segments) for capture or replay."""
+        for contributor in self.ctx.contributors:
+            contributor.prepare_graph_batch(batch, key, real)
 
     # -- replay ---------------------------------------------------------------------------------
 
@@ -280,10 +328,10 @@ class GraphRunner:
         tpr = self.tokens_per_request[batch.forward_mode]
         if batch.num_tokens != batch.batch_size * tpr:
             return None
-        bs = padded_size(batch.batch_size, self.sizes, allow_padding=not self.runner.args.disable_cuda_graph_padding)
+        bs = padded_size(batch.batch_size, self.sizes, allow_padding=not self.ctx.args.disable_cuda_graph_padding)
         if bs is None:
             return None
-        key = GraphKey(batch.forward_mode, bs, tpr, self.runner.graph_key_extras(batch))
+        key = GraphKey(batch.forward_mode, bs, tpr, self.key_extras(batch))
         return key if key in self.graphs else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -292,7 +340,7 @@ class GraphRunner:
     def replay(self, batch: ForwardBatch) -> ModelOutput:
         key = self.key_for(batch)
         padded = pad_into(self.static, batch, key, self.pad_row, self.fill_for(key))
-        self.runner.prepare_graph_batch(padded, key, real=batch)
+        self.prepare_contributors(padded, key, real=batch)
         self.backend.init_metadata_for_replay(key, padded)
         self.graphs[key].replay()
         out = self.outputs[key]

@@ -45,6 +45,20 @@ def padded_size(batch_size: int, sizes: list[int], allow_padding: bool = True) -
     return sizes[i] if i < len(sizes) else None
 
 
+def tokens_per_request(args: Any, mode: ForwardMode) -> int:
+    """New tokens per request of a `mode` graph: the draft-token count for verify, else 1."""
+    return int(args.speculative_num_draft_tokens) if mode is ForwardMode.TARGET_VERIFY else 1
+
+
+def combine_variants(variant_lists: list[list[tuple]]) -> list[tuple]:
+    """Every combination of the contributors' graph-key extras, one variant of each contributor
+    per combination (their items concatenated in contributor order); [()] without contributors."""
+    combos: list[tuple] = [()]
+    for variants in variant_lists:
+        combos = [c + v for c in combos for v in variants]
+    return combos
+
+
 @dataclass(frozen=True)
 class GraphKey:
     """Everything that changes the recorded kernels of one graph.

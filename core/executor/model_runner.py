@@ -7,7 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,7 @@ from backplane.attention.base import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
 from backplane.executor.batch import ForwardBatch, ForwardMode
 from backplane.executor.compiled import compiles_batch
+from backplane.executor.protocols import ForwardRouter, GraphContributor
 from backplane.layers.attention import Attention
 from backplane.layers.parallel import ParallelContext
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
@@ -23,6 +24,9 @@ from backplane.ops.dispatch import resolve_custom_ops
 from backplane.plugin.manager import PluginSet
 from backplane.plugin.selection import AttentionRequirements, Selection, select_attention_backend
 from backplane.settings import EngineArgs
+
+if TYPE_CHECKING:
+    from backplane.executor.graph_runner import GraphRunnerContext
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +117,16 @@ def _gib(size: int) -> str:
 
 
 class ModelRunner:
-    """Owns the model and everything it runs on for one tensor-parallel rank."""
+    """Owns the model and everything it runs on for one tensor-parallel rank.
 
-    def __init__(self, args: EngineArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None):
+    parallel: this rank's tensor-parallel position (None: one rank). router: on rank 0 of a
+    tensor-parallel engine, the TPDriver, through which every forward goes (it first sends the
+    batch to the other ranks); None on one rank and on the workers. Components whose per-batch
+    state the layers read (the LoraManager) join with `add_contributor`, before `init_cuda_graphs`.
+    """
+
+    def __init__(self, args: EngineArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None,
+                 router: ForwardRouter | None = None):
         self.args = args
         self.plugin_set = plugin_set
         self.registry = plugin_set.registry
@@ -137,25 +148,31 @@ class ModelRunner:
         self.context_len = context_length(args, self.hf_config)
         self.req_to_token_pool, self.token_to_kv_pool = self._init_pools()
         self.attn_backend, self.attn_choices = self._init_attention()
-        self.model_ctx.attn_backend = self.attn_backend
-        self.graph_contributors: list[Any] = []  # components adding graph-key extras (LoRA, ...)
+        self.model_ctx.attn_backend = self.attn_backend  # the model's backend, set once
+        self.router = router
+        self.contributors: list[GraphContributor] = []
+        self.graphs_initialized = False
         self.graph_runner = None
         self.compiled_eager: Any = None  # torch.compile without graphs (--enable-torch-compile, no graphs)
         self.graph_mode_limits: list[Any] = []
-        # Tensor-parallel rank 0: forwards go through the driver, which first sends each batch to
-        # the other ranks (backplane.distributed); None on one rank and on the workers.
-        self.tp_driver: Any = None
+
+    def add_contributor(self, contributor: GraphContributor) -> None:
+        """Register a component whose per-batch state the layers read (the LoraManager): its
+        `begin_forward` runs before every forward, and it takes part in graph capture and keys.
+        Call before `init_cuda_graphs`, which captures a graph for every contributor's variants."""
+        if not isinstance(contributor, GraphContributor):
+            raise TypeError(f"model runner contributor: expected a GraphContributor (begin_forward, graph_participant, "
+                            f"graph_variants, graph_key_extras, prepare_graph_batch), got {type(contributor).__name__}")
+        if self.graphs_initialized:
+            raise RuntimeError(f"model runner: add_contributor({type(contributor).__name__}) after init_cuda_graphs; "
+                               "the graphs are already keyed, so register every contributor before")
+        self.contributors.append(contributor)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     @property
     def seq_len_fill_value(self) -> int:
         return self.attn_choices["decode"].spec.seq_len_fill_value
-
-    def tokens_per_request(self, mode: ForwardMode) -> int:
-        if mode is ForwardMode.TARGET_VERIFY:
-            return self.args.speculative_num_draft_tokens
-        return 1
 
     def graph_participants(self) -> list[Any]:
         from backplane.executor.graph_sizes import GraphParticipant
@@ -165,38 +182,44 @@ class ModelRunner:
                                   decode.spec.graph_modes, serves=("decode",)),
                  GraphParticipant(verify.plugin, f"attention backend {verify.spec.name!r}",
                                   verify.spec.graph_modes, serves=("target_verify",))]
-        return parts + [c.graph_participant() for c in self.graph_contributors]
+        return parts + [c.graph_participant() for c in self.contributors]
 
-    def graph_key_extras(self, batch: ForwardBatch) -> tuple:
-        return tuple(item for c in self.graph_contributors for item in c.graph_key_extras(batch))
+    def graph_context(self) -> GraphRunnerContext:
+        """What a GraphRunner of this runner reads."""
+        from backplane.executor.graph_runner import GraphRunnerContext
 
-    def prepare_graph_batch(self, batch: ForwardBatch, key: Any, real: ForwardBatch | None = None) -> None:
-        """Let contributors bind their per-batch state (LoRA segments, ...) for capture or replay."""
-        for c in self.graph_contributors:
-            c.prepare_graph_batch(batch, key, real)
+        return GraphRunnerContext(
+            model=self.model, model_ctx=self.model_ctx, attn_backend=self.attn_backend,
+            attention=self.attn_choices["decode"], req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.token_to_kv_pool, device=self.device, args=self.args,
+            contributors=tuple(self.contributors),
+        )
 
     def init_cuda_graphs(self) -> None:
         """Capture graphs for the configured combination, or say why decode stays eager."""
         from backplane.executor.graph_runner import GraphRunner
         from backplane.executor.graph_sizes import capturable_modes
 
-        if self.args.enable_torch_compile and (self.args.disable_cuda_graph or self.device.type != "cuda"):
+        self.graphs_initialized = True
+        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
+        modes: list[str] = []
+        if self.args.disable_cuda_graph:
+            pass
+        elif self.device.type != "cuda":
+            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
+        else:
+            modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
+            for limit in self.graph_mode_limits:
+                logger.warning(limit.message())
+        if self.args.enable_torch_compile and set(modes) != set(wanted):
+            # A mode without graphs (none asked for, or a plugin declines them) still runs compiled:
+            # --enable-torch-compile never silently falls back to the plain model.
             from backplane.executor.compiled import CompiledForward
 
             self.compiled_eager = CompiledForward(self.model, self.model_ctx, dynamic=None)
-        if self.args.disable_cuda_graph:
-            return
-        if self.device.type != "cuda":
-            logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
-            return
-        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
-        modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
-        for limit in self.graph_mode_limits:
-            logger.warning(limit.message())
         if not modes:
             return
-        variants = _product([c.graph_variants() for c in self.graph_contributors])
-        self.graph_runner = GraphRunner(self, [ForwardMode(m) for m in modes], variants)
+        self.graph_runner = GraphRunner(self.graph_context(), [ForwardMode(m) for m in modes])
         # NOTE: under tensor parallelism the graphs record the collectives (NCCL); every rank
         # captures the same keys in the same order, entered and left together.
         self.parallel.barrier()
@@ -297,8 +320,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """One forward pass: through a captured graph when the graph runner can, else eagerly."""
-        if self.tp_driver is not None:
-            return self.tp_driver.run(batch, self._forward_local)
+        if self.router is not None:
+            return self.router.run(batch, self._forward_local)
         return self._forward_local(batch)
 
     def _forward_local(self, batch: ForwardBatch) -> ModelOutput:
@@ -307,7 +330,11 @@ class ModelRunner:
         return self.forward_eager(batch)
 
     def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
+        """Plan the attention metadata, let every contributor bind `batch` (outside any compiled
+        region), then run the model."""
         self.attn_backend.init_forward_metadata(batch)
+        for contributor in self.contributors:
+            contributor.begin_forward(batch)
         if self.compiled_eager is not None and compiles_batch(self.args, batch):
             return self.compiled_eager(batch)
         return self.model(batch)
@@ -320,11 +347,3 @@ class ModelRunner:
             "custom_ops": dict(self.model_ctx.ops.chosen),
             "device": str(self.device), "dtype": dtype_name(self.dtype),
         }
-
-
-def _product(variant_lists: list[list[tuple]]) -> list[tuple]:
-    """Every combination of the contributors' graph-key extras (one tuple of items each)."""
-    combos: list[tuple] = [()]
-    for variants in variant_lists:
-        combos = [c + v for c in combos for v in variants]
-    return combos

@@ -3,13 +3,16 @@
 It loads and validates the `--lora-paths` adapters (on the host), selects and builds the LoRA
 backend, wraps the model's projections, and then takes part in two loops:
 
-- scheduling (a Scheduler participant): `can_admit` keeps the distinct adapters of the running
+- scheduling (a `SchedulerParticipant`): `can_admit` keeps the distinct adapters of the running
   requests within `--max-loras-per-batch`; `prepare_batch` makes the batch's adapters resident
-  (loading into free slots, evicting the least recently used adapter no running request uses)
-  and describes the batch, one segment per request, in `batch.lora_info`.
-- CUDA graphs (a graph contributor of the model runner): graphs are keyed by LoRA on/off; a
-  base-only batch has `lora_info` None and runs without LoRA kernels. Captured graphs read
-  `graph_info`, whose buffers are rewritten in place at replay (padded requests use slot 0).
+  (loading into free slots, evicting the least recently used adapter no running request uses,
+  the running requests read from the source given to `bind_running`) and describes the batch,
+  one segment per request, in `batch.lora_info`.
+- forwards and CUDA graphs (a `GraphContributor` of the model runner, `attach_lora`): the runner
+  calls `begin_forward(batch)` before the model runs a batch, which points the LoRA layers at
+  `batch.lora_info`. Graphs are keyed by LoRA on/off; a base-only batch has `lora_info` None and
+  runs without LoRA kernels. Captured graphs read `graph_info`, whose buffers are rewritten in
+  place at replay (padded requests use slot 0).
 
 Eager batches use `info`; replay copies their segments into `graph_info`, so an eager run of the
 same batch after a replay (as tests do) still sees its own segments.
@@ -18,10 +21,14 @@ same batch after a replay (as tests do) still sees its own segments.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from backplane.executor.graph_sizes import GraphParticipant
+from backplane.executor.protocols import RunningRequests
 from backplane.lora.adapter import AdapterError, LoraAdapter, ProjectionShape, load_adapter, read_adapter_config
 from backplane.lora.base import LoraBackendContext
 from backplane.lora.batch_info import LoraBatchInfo
@@ -29,53 +36,78 @@ from backplane.lora.layers import LoraLinear, LoraRuntime, full_projection_shape
 from backplane.lora.pool import SlotPool
 from backplane.plugin.selection import LoraRequirements, select_lora_backend
 
+if TYPE_CHECKING:
+    from backplane.executor.model_runner import ModelRunner
+    from backplane.plugin.registry import Registry
+    from backplane.settings import EngineArgs
+
 logger = logging.getLogger(__name__)
 
 GRAPH_MODES = ("decode", "target_verify")
 
 
+@dataclass(frozen=True)
+class LoraContext:
+    """What a LoraManager reads from its model runner (`lora_context(runner)`).
+
+    model: wrapped in place (its projections become LoraLinear); registry: where the LoRA backend
+    is selected; args: the LoRA settings (--lora-paths, --max-lora-rank, --max-loras-per-batch,
+    --lora-backend and its option group) and the batch shape (--chunked-prefill-size, the
+    speculative draft-token count); max_bs: request rows, the graph padding row included.
+    """
+
+    model: torch.nn.Module
+    registry: Registry
+    args: EngineArgs
+    device: torch.device
+    dtype: torch.dtype
+    max_bs: int
+
+
+def lora_context(runner: ModelRunner) -> LoraContext:
+    return LoraContext(model=runner.model, registry=runner.registry, args=runner.args, device=runner.device,
+                       dtype=runner.dtype, max_bs=runner.req_to_token_pool.size)
+
+
 class LoraManager:
     """Adapters, their device slots and the LoRA backend of one model runner."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, ctx: LoraContext) -> None:
         from backplane.executor.model_runner import dtype_name
 
-        args = runner.args
+        args = ctx.args
         self.paths = args.lora_path_map
         configs = {name: read_adapter_config(name, path) for name, path in self.paths.items()}
         self.max_rank = args.max_lora_rank or max(c.rank for c in configs.values())
         self.max_loras_per_batch = args.max_loras_per_batch
         self.num_slots = self.max_loras_per_batch + 1
-        requirements = LoraRequirements(runner.device.type, dtype_name(runner.dtype), self.max_rank)
-        self.selection = select_lora_backend(runner.registry, args.lora_backend, requirements)
-        self.backend_ctx = self._backend_context(runner)
+        requirements = LoraRequirements(ctx.device.type, dtype_name(ctx.dtype), self.max_rank)
+        self.selection = select_lora_backend(ctx.registry, args.lora_backend, requirements)
+        self.backend_ctx = self._backend_context(ctx)
         self.backend = self.selection.spec.factory(self.backend_ctx)
         self.runtime = LoraRuntime(self.backend)
-        self.layers: list[LoraLinear] = wrap_model(runner.model, self.runtime, self.num_slots, self.max_rank)
-        self.adapters = self._load_adapters(runner)
+        self.layers: list[LoraLinear] = wrap_model(ctx.model, self.runtime, self.num_slots, self.max_rank)
+        self.adapters = self._load_adapters(ctx.dtype)
         max_segments, max_tokens = self.backend_ctx.max_bs, self.backend_ctx.max_num_tokens
-        self.info = LoraBatchInfo.allocate(max_segments, self.num_slots, runner.device, max_tokens)
-        self.graph_info = LoraBatchInfo.allocate(max_segments, self.num_slots, runner.device, max_tokens)
+        self.info = LoraBatchInfo.allocate(max_segments, self.num_slots, ctx.device, max_tokens)
+        self.graph_info = LoraBatchInfo.allocate(max_segments, self.num_slots, ctx.device, max_tokens)
         self.pool = SlotPool(self.max_loras_per_batch)
         self.ranks, self.scalings = [0] * self.num_slots, [0.0] * self.num_slots
-        # The requests now running (set by the Engine): their adapters are not evicted.
-        self.running: Callable[[], Iterable[Any]] = lambda: ()
+        self.running_source: RunningRequests | None = None  # see bind_running
         self._graph_state_ready = False
-        runner.model.register_forward_pre_hook(self._bind_forward, with_kwargs=True)
         logger.info("LoRA: %d adapters, max rank %d, %d slots, backend %s (%s)", len(self.adapters),
                     self.max_rank, self.max_loras_per_batch, self.selection.spec.name, self.selection.reason)
 
     # -- construction ---------------------------------------------------------------------------
 
-    def _backend_context(self, runner: Any) -> LoraBackendContext:
-        args = runner.args
-        max_bs = runner.req_to_token_pool.size  # every request row, the graph padding row included
+    def _backend_context(self, ctx: LoraContext) -> LoraBackendContext:
+        args = ctx.args
         per_request = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-        group = runner.registry.options_group(self.selection.plugin)
+        group = ctx.registry.options_group(self.selection.plugin)
         return LoraBackendContext(
-            device=runner.device, dtype=runner.dtype, max_loras_per_batch=self.max_loras_per_batch,
-            max_lora_rank=self.max_rank, max_bs=max_bs,
-            max_num_tokens=max(args.chunked_prefill_size, max_bs * per_request),
+            device=ctx.device, dtype=ctx.dtype, max_loras_per_batch=self.max_loras_per_batch,
+            max_lora_rank=self.max_rank, max_bs=ctx.max_bs,
+            max_num_tokens=max(args.chunked_prefill_size, ctx.max_bs * per_request),
             options=args.options_for(group) if group else None,
         )
 
@@ -87,10 +119,10 @@ class LoraManager:
                 shapes[name] = ProjectionShape(*full_projection_shape(layer, j))
         return shapes
 
-    def _load_adapters(self, runner: Any) -> dict[str, LoraAdapter]:
+    def _load_adapters(self, dtype: torch.dtype) -> dict[str, LoraAdapter]:
         shapes = self.projection_shapes()
         num_layers = 1 + max(layer.layer_id for layer in self.layers)
-        return {name: load_adapter(name, path, shapes, num_layers, self.max_rank, runner.dtype)
+        return {name: load_adapter(name, path, shapes, num_layers, self.max_rank, dtype)
                 for name, path in self.paths.items()}
 
     # -- the slot pool --------------------------------------------------------------------------
@@ -101,7 +133,8 @@ class LoraManager:
         unknown = [n for n in needed if n not in self.adapters]
         if unknown:
             raise AdapterError(f"unknown LoRA adapter {unknown[0]!r}; loaded: {', '.join(sorted(self.adapters))}")
-        pinned = {req.lora for req in self.running() if getattr(req, "lora", None) is not None}
+        running = self.running_source.running if self.running_source is not None else ()
+        pinned = {req.lora for req in running if getattr(req, "lora", None) is not None}
         loads = self.pool.assign(needed, pinned)
         for name, slot in loads:
             self._load_slot(name, slot)
@@ -117,7 +150,19 @@ class LoraManager:
             layer.load_slot(slot, [adapter.weights.get((layer.layer_id, p)) for p in layer.projections])
         self.ranks[slot], self.scalings[slot] = adapter.rank, adapter.scaling
 
+    def resident_slots(self) -> dict[str, int]:
+        """Adapter name -> the slot it is loaded in (what tensor-parallel workers mirror)."""
+        return dict(self.pool.slot_of)
+
     # -- scheduler participant ------------------------------------------------------------------
+
+    def bind_running(self, source: RunningRequests) -> None:
+        """Read the running requests from `source` (the Scheduler, once it is built): their
+        adapters are never evicted. Until then no adapter is pinned."""
+        if not isinstance(source, RunningRequests):
+            raise TypeError(f"LoraManager.bind_running: expected a RunningRequests (a `running` sequence of "
+                            f"requests), got {type(source).__name__}")
+        self.running_source = source
 
     def can_admit(self, req: Any, batch_mates: Iterable[Any]) -> bool:
         """False when running `req` next to `batch_mates` would need more adapters than slots."""
@@ -142,15 +187,17 @@ class LoraManager:
             seg_lens = [batch.tokens_per_request] * len(reqs)
         batch.lora_info = self.info.update_(seg_lens, slots)
 
-    def _bind_forward(self, module, args, kwargs) -> None:
-        """Model forward pre-hook: point the LoRA layers at this batch, and plan an eager pass."""
-        batch = args[0] if args else kwargs["batch"]
+    # -- graph contributor ----------------------------------------------------------------------
+
+    def begin_forward(self, batch: Any) -> None:
+        """Point the LoRA layers at `batch.lora_info` (None: no LoRA), and plan an eager pass.
+
+        The runner calls it right before the model runs `batch`; a graph batch (graph_key set)
+        was planned by prepare_graph_batch."""
         info = batch.lora_info
         self.runtime.batch_info = info
-        if info is not None and batch.graph_key is None:  # graph passes were planned by prepare_graph_batch
+        if info is not None and batch.graph_key is None:
             self.backend.prepare_batch(info)
-
-    # -- graph contributor ----------------------------------------------------------------------
 
     def graph_participant(self) -> GraphParticipant:
         spec = self.selection.spec
@@ -199,19 +246,20 @@ class LoraManager:
         }
 
 
-def attach_lora(runner: Any) -> LoraManager | None:
-    """Build the LoraManager when `--lora-paths` names adapters, and register it with the runner's
-    graph contributors (call before `runner.init_cuda_graphs()`); None without adapters."""
+def attach_lora(runner: ModelRunner) -> LoraManager | None:
+    """Build the LoraManager when `--lora-paths` names adapters and register it as a contributor of
+    `runner` (`runner.add_contributor`; call before `runner.init_cuda_graphs()`); None without
+    adapters."""
     if not runner.args.lora_path_map:
-        _check_unused_backend_name(runner)
+        _check_unused_backend_name(runner.registry, runner.args)
         return None
-    manager = LoraManager(runner)
-    runner.graph_contributors.append(manager)
+    manager = LoraManager(lora_context(runner))
+    runner.add_contributor(manager)
     return manager
 
 
-def _check_unused_backend_name(runner: Any) -> None:
+def _check_unused_backend_name(registry: Registry, args: EngineArgs) -> None:
     """Without adapters no LoRA backend is built, but a misspelt --lora-backend is still an error."""
     from backplane.plugin.selection import require_known
 
-    require_known(runner.registry, "lora", runner.args.lora_backend, "--lora-backend")
+    require_known(registry, "lora", args.lora_backend, "--lora-backend")

@@ -7,12 +7,15 @@ model's pools, through the same registry selection the target used.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
 
 from backplane.attention.base import AttentionBackend, AttentionBackendContext
+
+if TYPE_CHECKING:
+    from backplane.speculative.context import TargetRunner
 
 
 def llama_decoder_layer(config: Any, layer_id: int, model_ctx: Any) -> nn.Module:
@@ -43,7 +46,7 @@ def load_config(path) -> Any:
     return load_hf_config(path)
 
 
-def make_attention_backend(runner: Any, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> AttentionBackend:
+def make_attention_backend(runner: TargetRunner, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> AttentionBackend:
     """A new instance of the target runner's `role` ("prefill"/"decode") backend over other pools."""
     if role not in runner.attn_choices:
         raise ValueError(f"attention role: expected one of {sorted(runner.attn_choices)}, got {role!r}")

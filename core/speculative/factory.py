@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from backplane.speculative.worker import SpecContext, SpecWorker
+from backplane.executor.protocols import SchedulerParticipant
+from backplane.speculative.context import SpecContext, TargetRunner
+from backplane.speculative.worker import SpecWorker
 
 
 def check_spec_settings(args: Any, plugin_set: Any) -> Any:
@@ -30,7 +32,8 @@ def check_spec_settings(args: Any, plugin_set: Any) -> Any:
     return spec
 
 
-def build_spec_worker(args: Any, plugin_set: Any, runner: Any, participants: Sequence[Any] = ()) -> SpecWorker | None:
+def build_spec_worker(args: Any, plugin_set: Any, runner: TargetRunner,
+                      participants: Sequence[SchedulerParticipant] = ()) -> SpecWorker | None:
     """The worker of the selected algorithm (built by its plugin's factory), or None.
 
     participants: the scheduler's batch participants (the LoraManager), which the worker's verify

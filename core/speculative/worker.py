@@ -20,42 +20,10 @@ from typing import Any
 import torch
 
 from backplane.speculative.accept import Accepted, verify_greedy
+from backplane.speculative.context import SpecContext
 from backplane.speculative.kv import alloc_verify_slots, commit_accepted
 from backplane.speculative.tree import DraftTree, verify_mask
 from backplane.speculative.verify_batch import build_verify_batch
-
-
-@dataclass
-class SpecContext:
-    """What a spec algorithm's factory receives.
-
-    runner: the target model runner (its model, pools, attention backend and graph runner)
-    args: the final EngineArgs; plugin: the name of the plugin that registered the algorithm
-    participants: what binds per-batch state before a target forward, the scheduler's own
-      (`prepare_batch(batch, reqs)`; the LoraManager): the verify batch goes through them too
-    """
-
-    runner: Any
-    args: Any
-    spec: Any
-    plugin: str = ""
-    participants: tuple = ()
-
-    def prepare_target(self, batch: Any, reqs: list) -> None:
-        """Let every participant bind its state for a target batch of `reqs` (LoRA segments)."""
-        for p in self.participants:
-            p.prepare_batch(batch, reqs)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return int(self.args.speculative_num_draft_tokens)
-
-    def make_attention_backend(self, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> Any:
-        """A fresh instance of the target's `role` ("prefill" or "decode") attention backend over
-        other pools (a draft model's), for the attention layers `layers` (AttentionLayerInfo)."""
-        from backplane.speculative.draft_parts import make_attention_backend
-
-        return make_attention_backend(self.runner, role, req_to_token_pool, token_to_kv_pool, layers)
 
 
 @dataclass

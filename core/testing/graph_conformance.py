@@ -18,6 +18,7 @@ from backplane.attention.base import AttentionLayerInfo
 from backplane.executor.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_runner import StaticInputs, capture_graph, pad_into
 from backplane.executor.graph_sizes import GraphKey, padded_size
+from backplane.models.base import ModelContext
 from backplane.testing.attention_conformance import TOLERANCE, Case, Harness
 
 PAD_ROW_SEQ = 1
@@ -109,8 +110,7 @@ class _OpaqueLayer:
     """What torch.ops.backplane.attention looks up by handle: `ctx.attn_backend` and `info`."""
 
     def __init__(self, backend, info: AttentionLayerInfo):
-        self.ctx, self.info = self, info
-        self.attn_backend = backend
+        self.ctx, self.info = ModelContext(attn_backend=backend), info
 
 
 def check_compiled_decode(spec, dtype=torch.bfloat16, device: str = "cuda", steps: int = 8, seed: int = 0,

@@ -12,11 +12,12 @@ the beams are re-chosen: req_to_token never changes inside the loop, which keeps
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from backplane import ForwardBatch, ForwardMode
+
+from .draft_attention import DraftAttention
 
 
 @dataclass
@@ -60,11 +61,11 @@ class Candidates:
 
 
 def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, scratch: torch.Tensor,
-                   steps: list[StepInputs], topk: int, prepare: Callable[[int, ForwardBatch], None]) -> Candidates:
+                   steps: list[StepInputs], topk: int, attention: DraftAttention) -> Candidates:
     """Grow the tree from the depth-1 beams; returns the candidates of depths 2..len(steps) + 1.
 
     rows: [bs * topk] the beams' rows in `req_pool`; scratch: [bs * topk, num_steps - 1] their
-    scratch slots per depth (0 for padded beams). prepare(i, batch) readies the attention backend.
+    scratch slots per depth (0 for padded beams). Step i runs under `attention.step_pass(i, batch)`.
     """
     bs = beams.scores.shape[0]
     next_id = 1 + topk  # root and the depth-1 nodes come first
@@ -72,8 +73,8 @@ def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, sc
     for i, step in enumerate(steps):
         batch = ForwardBatch(ForwardMode.DECODE, bs * topk, beams.tokens, step.positions, rows, step.seq_lens,
                              step.seq_lens_cpu, step.out_cache_loc, req_pool, kv_pool)
-        prepare(i, batch)
-        features = head(beams.tokens, beams.features, step.positions, batch)  # [bs * topk, H]
+        with attention.step_pass(i, batch):
+            features = head(beams.tokens, beams.features, step.positions, batch)  # [bs * topk, H]
         child_lp, child_tok = head.top_tokens(features, topk)  # [bs * topk, topk]
         # A child's score is its path's log-probability: parent score + its own log-prob.
         child_scores = (beams.scores.unsqueeze(-1) + child_lp.view(bs, topk, topk)).view(bs, topk * topk)

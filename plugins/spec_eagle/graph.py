@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from backplane import ForwardBatch, capture_graph
+from backplane import capture_graph
 from backplane.speculative import graph_pool, padded_size
 
 from .beams import Candidates
+from .draft_attention import DraftAttention
 from .window import run_window_draft
 
 
@@ -32,6 +33,8 @@ class DraftGraphRunner:
         self.pool = pool if pool is not None else graph_pool()
         max_bs = max(self.sizes)
         self.inputs = worker.window_inputs(max_bs)
+        # Captured passes bind the same backends but never plan: _refresh does, on the host.
+        self.attention = DraftAttention(worker.model_ctx, worker.extend_backend, worker.step_backends, plan=False)
         worker.extend_backend.init_graph_state(max_bs, max_bs * self.window)
         for backend in worker.step_backends:
             backend.init_graph_state(max_bs * self.topk, max_bs * self.topk)
@@ -72,15 +75,7 @@ class DraftGraphRunner:
                 backend.init_metadata_for_replay(key, batch)
 
     def _run(self, bs: int) -> Candidates:
-        w = self.worker
-
-        def prepare_extend(batch: ForwardBatch) -> None:
-            w.model_ctx.attn_backend = w.extend_backend
-
-        def prepare_step(i: int, batch: ForwardBatch) -> None:
-            w.model_ctx.attn_backend = w.step_backends[i]
-
-        return run_window_draft(w.head, self.inputs, bs, prepare_extend, prepare_step)
+        return run_window_draft(self.worker.head, self.inputs, bs, self.attention)
 
     # -- replay ---------------------------------------------------------------------------------
 

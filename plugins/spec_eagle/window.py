@@ -15,13 +15,12 @@ the draft's request rows (which the attention backends read while planning).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from backplane import ForwardBatch, ForwardMode
 
 from .beams import Beams, Candidates, StepInputs, run_beam_steps
+from .draft_attention import DraftAttention
 
 
 class WindowInputs:
@@ -152,14 +151,14 @@ def _flat(sizes: dict[str, int], dtype, device, pin: bool):
     return host, dev, views
 
 
-def run_window_draft(head, inputs: WindowInputs, pbs: int, prepare_extend: Callable[[ForwardBatch], None],
-                     prepare_step: Callable[[int, ForwardBatch], None]) -> Candidates:
+def run_window_draft(head, inputs: WindowInputs, pbs: int, attention: DraftAttention) -> Candidates:
     """Draft extend over the window, the root's top-k children, then the beam steps; every drafted
-    node but the root, [pbs, topk + (num_steps - 1) * topk^2]."""
+    node but the root, [pbs, topk + (num_steps - 1) * topk^2]. Each forward runs under its own
+    backend of `attention`."""
     T, k = inputs.window, inputs.topk
     batch = inputs.extend_batch(pbs)
-    prepare_extend(batch)
-    features = head(batch.input_ids, inputs.features[: pbs * T], batch.positions, batch)  # [pbs * T, H]
+    with attention.extend_pass(batch):
+        features = head(batch.input_ids, inputs.features[: pbs * T], batch.positions, batch)  # [pbs * T, H]
     root = features.view(pbs, T, -1)[:, -1]  # the root is the last token of each window
     scores, tokens = head.top_tokens(root, k)
     first = Candidates(tokens, scores, torch.zeros_like(tokens))
@@ -169,5 +168,5 @@ def run_window_draft(head, inputs: WindowInputs, pbs: int, prepare_extend: Calla
                   node_ids=inputs.node_ids[:pbs])
     d = inputs.d
     more = run_beam_steps(head, inputs.memory.kv_pool, inputs.memory.req_pool, beams, d["beam_rows"][: pbs * k],
-                          d["step_loc"][:, : pbs * k].t(), inputs.steps(pbs), k, prepare_step)
+                          d["step_loc"][:, : pbs * k].t(), inputs.steps(pbs), k, attention)
     return first.then(more)

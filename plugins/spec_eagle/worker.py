@@ -25,6 +25,7 @@ from backplane.models import ModelContext
 from backplane.speculative import DraftTree, SpecWorker
 
 from .beams import Beams, Candidates, StepInputs, run_beam_steps
+from .draft_attention import DraftAttention
 from .head import load_eagle_head, load_token_map
 from .memory import DraftMemory
 from .window import WindowInputs, run_window_draft
@@ -68,6 +69,8 @@ class EagleWorker(SpecWorker):
         # One backend per beam step: a captured multi-step graph needs each step's own static buffers.
         self.step_backends = [ctx.make_attention_backend("decode", mem.req_pool, mem.kv_pool, infos)
                               for _ in range(self.num_steps - 1)]
+        # Eager draft passes bind their backend and plan its metadata; the graphs have their own.
+        self.attention = DraftAttention(self.model_ctx, self.extend_backend, self.step_backends, plan=True)
         self.graphs = None
         self._eager_inputs: WindowInputs | None = None
 
@@ -146,12 +149,7 @@ class EagleWorker(SpecWorker):
             self._eager_inputs = self.window_inputs(max(len(reqs), 8))
         inputs = self._eager_inputs
         inputs.load(reqs, [r.spec_state for r in reqs], len(reqs))
-
-        def prepare_extend(batch: ForwardBatch) -> None:
-            self.model_ctx.attn_backend = self.extend_backend
-            self.extend_backend.init_forward_metadata(batch)
-
-        return run_window_draft(self.head, inputs, len(reqs), prepare_extend, self.prepare_eager)
+        return run_window_draft(self.head, inputs, len(reqs), self.attention)
 
     def _draft_pending(self, reqs: list) -> Candidates:
         """Extend over exactly the pending tokens, then the beam steps, eagerly."""
@@ -166,7 +164,7 @@ class EagleWorker(SpecWorker):
         beam_rows = mem.beam_rows([r.row for r in reqs])
         more = run_beam_steps(self.head, mem.kv_pool, mem.req_pool, beams, beam_rows.to(self.runner.device),
                               mem.scratch(beam_rows).to(self.runner.device), self.beam_step_inputs(reqs),
-                              self.topk, self.prepare_eager)
+                              self.topk, self.attention)
         return candidates.then(more)
 
     def _extend(self, reqs: list):
@@ -186,10 +184,9 @@ class EagleWorker(SpecWorker):
         self._write_scratch_columns(beam_rows, torch.tensor(ends) - 1)
         input_ids = [t for r, s in zip(reqs, starts) for t in r.all_ids[s:]]
         batch = _extend_batch(reqs, input_ids, positions, beam_rows[:: self.topk], starts, lens, slots, mem)
-        self.model_ctx.attn_backend = self.extend_backend
-        self.extend_backend.init_forward_metadata(batch)
         pending = torch.cat([s.features[-n:] for s, n in zip(states, lens)])
-        features = self.head(batch.input_ids, pending, batch.positions, batch)
+        with self.attention.extend_pass(batch):
+            features = self.head(batch.input_ids, pending, batch.positions, batch)
         root_features = features[torch.tensor(lens, device=device).cumsum(0) - 1]  # [bs, H]
         scores, tokens = self.head.top_tokens(root_features, self.topk)
         return tokens, scores, root_features
@@ -212,10 +209,6 @@ class EagleWorker(SpecWorker):
             seq = (roots + i + 1).to(torch.int32)
             steps.append(StepInputs((roots + i).to(device), scratch[:, i - 1].to(device), seq.to(device), seq))
         return steps
-
-    def prepare_eager(self, i: int, batch: ForwardBatch) -> None:
-        self.model_ctx.attn_backend = self.step_backends[i]
-        self.step_backends[i].init_forward_metadata(batch)
 
     # -- after verify ---------------------------------------------------------------------------
 

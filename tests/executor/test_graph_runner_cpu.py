@@ -17,10 +17,10 @@ from backplane.executor.graph_sizes import (
     GraphParticipant,
     capturable_modes,
     capture_batch_sizes,
+    combine_variants,
     padded_size,
 )
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
-from backplane.executor.model_runner import _product
 
 
 def flags(**kw):
@@ -78,7 +78,7 @@ def test_without_padding_only_exact_sizes_replay(padding):
     assert got == ([1, 32, 40, 64, 104, 128] if padding else [1, 32, None, 64, None, 128])
     # The runner asks for exact sizes under the flag: a batch of 33 has no graph and runs eagerly.
     runner = GraphRunner.__new__(GraphRunner)
-    runner.runner = SimpleNamespace(args=flags(disable_cuda_graph_padding=not padding), graph_key_extras=lambda b: ())
+    runner.ctx = SimpleNamespace(args=flags(disable_cuda_graph_padding=not padding), contributors=())
     runner.modes, runner.tokens_per_request, runner.sizes = [ForwardMode.DECODE], {ForwardMode.DECODE: 1}, sizes
     runner.graphs = {GraphKey(ForwardMode.DECODE, bs, 1): None for bs in sizes}
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=33, num_tokens=33)
@@ -86,7 +86,7 @@ def test_without_padding_only_exact_sizes_replay(padding):
 
 
 def test_key_composition_from_contributions():
-    variants = _product([[(("lora", False),), (("lora", True),)], [(("spec", "eagle"),)]])
+    variants = combine_variants([[(("lora", False),), (("lora", True),)], [(("spec", "eagle"),)]])
     assert variants == [(("lora", False), ("spec", "eagle")), (("lora", True), ("spec", "eagle"))]
     keys = {GraphKey(ForwardMode.DECODE, 8, 1, v) for v in variants}
     assert len(keys) == 2

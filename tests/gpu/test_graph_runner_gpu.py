@@ -69,7 +69,7 @@ def test_graph_generation_equals_eager_generation(backend):
 def test_second_runner_shares_the_pool():
     engine = _engine("triton")
     first = engine.runner.graph_runner.graph_memory_bytes
-    second = GraphRunner(engine.runner, engine.runner.graph_runner.modes)
+    second = GraphRunner(engine.runner.graph_context(), engine.runner.graph_runner.modes)
     second.capture()
     print(f"graph memory: first capture {first / 2**20:.1f} MB, second into the shared pool {second.graph_memory_bytes / 2**20:.1f} MB")
     assert second.graph_memory_bytes < 0.5 * max(first, 1)

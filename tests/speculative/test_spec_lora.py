@@ -59,6 +59,8 @@ def test_spec_with_lora_equals_plain_lora(world, algorithm, lora_backend):
     max_new = 8 if lora_backend == "torch_native" else 5
     want = _generate(_engine(world, lora_backend), max_new)
     spec = _engine(world, lora_backend, **_spec_kwargs(world, algorithm))
+    ctx = spec.spec_worker.ctx
+    assert ctx.runner is spec.runner and tuple(ctx.participants) == (spec.lora_manager,)
     verify_segments = []
     original = spec.lora_manager.prepare_batch
 

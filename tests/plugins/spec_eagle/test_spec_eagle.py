@@ -106,6 +106,9 @@ def test_random_head_greedy_equal_and_near_zero_acceptance(target, random_head):
         _check_equal(plain, eagle, _prompts(batch, batch), [17] * batch)
     assert eagle.spec_worker.stats.mean_acceptance_length < 1.3
     assert unused_slots(eagle) == 2048
+    # Every draft pass bound its backend for that pass only; the target's stays its own.
+    assert eagle.spec_worker.model_ctx.attn_backend is None
+    assert eagle.runner.model_ctx.attn_backend is eagle.runner.attn_backend
 
 
 @pytest.mark.parametrize("steps, topk", [(3, 2), (4, 1)])
