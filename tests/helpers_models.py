@@ -148,6 +148,19 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max())
 
 
+def count_computed_tokens(engine) -> list[int]:
+    """Wrap the runner's forward: the list gets the number of tokens of every extend batch."""
+    counts, forward = [], engine.runner.forward
+
+    def counting(batch):
+        if batch.forward_mode == ForwardMode.EXTEND:
+            counts.append(batch.num_tokens)
+        return forward(batch)
+
+    engine.runner.forward = counting
+    return counts
+
+
 def unused_slots(engine) -> int:
     """KV slots no request holds: free ones plus those the prefix cache keeps for reuse. Call it
     between generate calls (then no request references the cache, which this checks)."""

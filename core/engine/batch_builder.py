@@ -27,7 +27,7 @@ def build_extend_batch(reqs: list[Req], chunks: list[int], kv_pool: TokenToKVPoo
     out_cache_loc = _assign_slots(reqs, chunks, kv_pool)
     input_ids, positions = [], []
     for req, n in zip(reqs, chunks):
-        input_ids += req.all_ids[req.num_cached:req.num_cached + n]
+        input_ids += req.ids_between(req.num_cached, req.num_cached + n)
         positions += range(req.num_cached, req.num_cached + n)
     prefix = [req.num_cached for req in reqs]
     seq_lens = [p + n for p, n in zip(prefix, chunks)]
@@ -51,9 +51,8 @@ def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToT
 
 
 def _last_token(req: Req, future: FutureTokens | None) -> int:
-    ids = req.all_ids
-    if req.num_cached < len(ids):
-        return ids[req.num_cached]
+    if req.num_cached < req.num_tokens:
+        return req.token_at(req.num_cached)
     assert future is not None, f"request {req.rid}: no token at position {req.num_cached} and no future map"
     return future.placeholder(req)
 

@@ -89,7 +89,8 @@ class Engine:
                            disabled_reason=refusal)
 
     def stats(self) -> dict[str, Any]:
-        """Serving counters; "prefix_cache": hit and query token counts and the hit rate."""
+        """Serving counters; "prefix_cache": hit and query token counts, the hit rate, and the
+        tokens prefill computed (prefill_tokens)."""
         return {"prefix_cache": self.scheduler.prefix_cache.stats()}
 
     @property

@@ -1,14 +1,19 @@
 """PrefixCache: the scheduler's prefix caching, requests on one side and the radix tree on the other.
 
-The scheduler calls, per request:
+The scheduler asks for `admission_order(waiting)` when it may admit requests: the waiting queue
+with the longest cached prefixes first (SGLang's "longest prefix match" policy), so that requests
+reuse the cache while it holds their prefix instead of admitting them in arrival order and
+evicting what the next ones need. Then it calls, per request:
   - `match(req, batch)` when it considers a waiting request: take the longest cached prefix of
     what the request must prefill (locked, so it is not evicted) -- req.num_cached, req.slots and
     req.num_shared start at it -- or defer the request (False) when a request already chosen for
     this batch is about to compute a longer prefix of it; `unmatch(req)` if it is not admitted,
+  - `computes_in_batch(req, batch)` for a running request whose next prefill chunk joins the batch:
+    requests considered after it that share its prompt are deferred the same way,
   - `admit(req)` once it has a request-pool row: the row's first num_shared columns get the
     cached slots (the rest are written by the extend batch, which has extend_prefix_lens > 0),
-  - `cache_prefilled(req)` after each successful prefill chunk: the new KV joins the tree, so
-    requests admitted from the next step on share it,
+  - `cache_prefilled(req, n)` after each successful prefill chunk of n tokens: the new KV joins the
+    tree, so requests admitted from the next step on share it,
   - `release(req, keep)` when it finishes or is preempted (keep=True: its KV goes to the tree) or
     is aborted or rolled back after a failed forward (keep=False: its own slots are freed).
 It never preempts: `available()` counts free plus evictable slots, and `make_room(n)` evicts
@@ -21,7 +26,7 @@ With `enabled=False` (--disable-radix-cache) nothing is cached and every request
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -29,19 +34,25 @@ from backplane.engine.radix import RadixTree
 from backplane.engine.request import Req
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
-# A waiting request whose uncached part shares at least this many tokens with a request chosen for
-# the same prefill batch waits one step, then reads that prefix from the cache instead of
-# computing it a second time.
+# A waiting request whose prompt shares at least this many leading tokens with a request chosen for
+# the same prefill batch, more than the tree holds, waits while that request computes them, then
+# reads them from the cache instead of computing them a second time. A shorter common head (a chat
+# template's first tokens) holds nobody back.
 IN_BATCH_SHARE_MIN = 32
+# Longer waiting queues are admitted in arrival order: ordering looks every waiting request up in
+# the tree (a few microseconds per thousand cached tokens) each time requests may be admitted.
+LPM_MAX_WAITING = 256
 
 
 @dataclass
 class PrefixCacheStats:
-    """Counted once per admission: tokens to prefill looked up, and how many were cached."""
+    """Counted once per admission: tokens to prefill looked up, and how many were cached; and after
+    every prefill chunk, the tokens it computed (recomputation after a preemption included)."""
 
     num_requests: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    prefill_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -50,7 +61,7 @@ class PrefixCacheStats:
 
 def prefill_target(req: Req) -> int:
     """Tokens whose KV a prefill computes: all but the last generated one (it has no KV yet)."""
-    return len(req.all_ids) - (1 if req.output_ids else 0)
+    return req.num_tokens - (1 if req.output_ids else 0)
 
 
 class PrefixCache:
@@ -81,6 +92,21 @@ class PrefixCache:
 
     # -- admission ------------------------------------------------------------------------------
 
+    def admission_order(self, waiting: Sequence[Req]) -> list[Req]:
+        """The waiting requests, longest cached prefix first; ties (and every request when the
+        cache is off or more than LPM_MAX_WAITING wait) in arrival order. Reads the tree only."""
+        if not self.enabled or not 1 < len(waiting) <= LPM_MAX_WAITING:
+            return list(waiting)
+        cached = [self._cached_length(req) for req in waiting]
+        order = sorted(range(len(waiting)), key=lambda i: -cached[i])
+        return [waiting[i] for i in order]
+
+    def _cached_length(self, req: Req) -> int:
+        """What `match` would find for the request, without copying its prompt."""
+        stop = prefill_target(req) - 1
+        key = req.prompt_ids if stop <= len(req.prompt_ids) else req.ids_between(0, stop)
+        return self.tree.match_length(key, req.lora, stop)
+
     def match(self, req: Req, batch: RadixTree | None = None) -> bool:
         """Start a waiting request at its longest cached prefix; False to defer it (see module doc).
 
@@ -89,17 +115,24 @@ class PrefixCache:
         """
         if not self.enabled:
             return True
-        key = req.all_ids[:prefill_target(req) - 1]
+        key = req.ids_between(0, prefill_target(req) - 1)
         found = self.tree.match(key, req.lora)
         if batch is not None:
-            if batch.match(key, req.lora).length >= found.length + IN_BATCH_SHARE_MIN:
+            computing = batch.match(key, req.lora).length
+            if computing >= IN_BATCH_SHARE_MIN and computing > found.length:
                 return False
-            batch.insert(key, torch.zeros(len(key), dtype=torch.int64), req.lora)
+            _note(batch, key, req)
         self.tree.lock(found.node)
         req.prefix_node, req.num_shared = found.node, found.length
         req.num_cached = found.length
         req.slots = [found.slots] if found.length else []
         return True
+
+    def computes_in_batch(self, req: Req, batch: RadixTree) -> None:
+        """A running request's next prefill chunk joins the batch: note its prompt in `batch`, so
+        that a waiting request sharing it waits for the tree instead of computing it twice."""
+        if self.enabled:
+            _note(batch, req.ids_between(0, prefill_target(req) - 1), req)
 
     def unmatch(self, req: Req) -> None:
         """Undo `match` for a request that was not admitted after all."""
@@ -118,15 +151,17 @@ class PrefixCache:
 
     # -- after prefill, finish, preemption, abort -------------------------------------------------
 
-    def cache_prefilled(self, req: Req) -> None:
-        """After a prefill chunk: move the request's new KV into the tree and reference it there.
+    def cache_prefilled(self, req: Req, num_new: int) -> None:
+        """After a prefill chunk of `num_new` tokens: move the request's new KV into the tree and
+        reference it there.
 
         Skipped when the tree already holds more of the key than the request shares (another
         request computed the same tokens): the request keeps its own copy until it is released.
         """
+        self.counts.prefill_tokens += num_new
         if not self.enabled or req.num_cached <= req.num_shared:
             return
-        key, slots = req.all_ids[:req.num_cached], torch.cat(req.slots)
+        key, slots = req.ids_between(0, req.num_cached), torch.cat(req.slots)
         if self.tree.match(key, req.lora).length != req.num_shared:
             return
         self.tree.insert(key, slots, req.lora)
@@ -156,11 +191,18 @@ class PrefixCache:
     # -- reporting ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Hit and query token counts, the hit rate, and the tree's size (tokens)."""
+        """Hit and query token counts, the hit rate, the tokens prefill computed, and the tree's size
+        (tokens)."""
         c = self.counts
         out = {"enabled": self.enabled, "num_requests": c.num_requests, "query_tokens": c.query_tokens,
-               "hit_tokens": c.hit_tokens, "hit_rate": c.hit_rate, "cached_tokens": self.tree.total_size,
+               "hit_tokens": c.hit_tokens, "hit_rate": c.hit_rate, "prefill_tokens": c.prefill_tokens,
+               "cached_tokens": self.tree.total_size,
                "evictable_tokens": self.tree.evictable_size}
         if self.disabled_reason:
             out["disabled_reason"] = self.disabled_reason
         return out
+
+
+def _note(batch: RadixTree, key: list[int], req: Req) -> None:
+    """Record `key` in the bookkeeping tree of a prefill batch (its slots are placeholders)."""
+    batch.insert(key, torch.zeros(len(key), dtype=torch.int64), req.lora)

@@ -58,7 +58,8 @@ class PrefixMatch:
 def common_length(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token lists (slice comparisons run in C)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    a, b = a if len(a) == n else a[:n], b if len(b) == n else b[:n]
+    if a == b:
         return n
     lo, hi = 0, n - 1  # the answer is in [lo, hi]: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
     while lo < hi:
@@ -96,21 +97,34 @@ class RadixTree:
 
     # -- match and insert -----------------------------------------------------------------------
 
-    def match(self, key: list[int], namespace: Hashable = None) -> PrefixMatch:
-        """The longest cached prefix of `key`. A node the match ends inside is split there, so the
-        match always ends at a node boundary; every node on the path counts as used now."""
+    def match(self, key: list[int], namespace: Hashable = None, stop: int | None = None) -> PrefixMatch:
+        """The longest cached prefix of `key[:stop]` (all of `key` when stop is None). A node the
+        match ends inside is split there, so the match always ends at a node boundary; every node on
+        the path counts as used now."""
         node, pieces, i = self.root(namespace), [], 0
+        end = len(key) if stop is None else min(stop, len(key))
         now = next(self._clock)
         node.last_access = now
-        while i < len(key) and key[i] in node.children:
+        while i < end and key[i] in node.children:
             child = node.children[key[i]]
-            n = common_length(child.key, key[i:])
+            n = common_length(child.key, key[i:min(i + len(child.key), end)])
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
             pieces.append(child.slots)
             node, i = child, i + n
         return PrefixMatch(torch.cat(pieces) if pieces else _EMPTY, node)
+
+    def match_length(self, key: list[int], namespace: Hashable = None, stop: int | None = None) -> int:
+        """How many leading tokens of `key[:stop]` are cached; read only (no split, no use counted)."""
+        node, i = self.roots.get(namespace), 0
+        end = len(key) if stop is None else min(stop, len(key))
+        while node is not None and i < end and key[i] in node.children:
+            child = node.children[key[i]]
+            n = common_length(child.key, key[i:min(i + len(child.key), end)])
+            i += n
+            node = child if n == len(child.key) else None
+        return i
 
     def insert(self, key: list[int], slots: torch.Tensor, namespace: Hashable = None) -> int:
         """Hand the KV of `key` (slots [len(key)] int64) to the tree; return how many leading tokens
@@ -125,7 +139,7 @@ class RadixTree:
         now = next(self._clock)
         while i < len(key) and key[i] in node.children:
             child = node.children[key[i]]
-            n = common_length(child.key, key[i:])
+            n = common_length(child.key, key[i:i + len(child.key)])
             if n < len(child.key):
                 child = self._split(child, n)
             self._free_duplicates(slots[i:i + n], child.slots)

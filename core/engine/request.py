@@ -46,7 +46,25 @@ class Req:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt then output ids: a new list (a copy); per-step code uses num_tokens and token_at."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_ids), without building the list."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        """all_ids[i] for 0 <= i < num_tokens, without building the list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def ids_between(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] (0 <= start <= stop), copying only that slice."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):stop - n]
 
     @property
     def finished(self) -> bool:
@@ -55,7 +73,7 @@ class Req:
     @property
     def needs_prefill(self) -> bool:
         """True until every token but the last generated one has its KV in the pool."""
-        return self.num_cached < len(self.all_ids) - (1 if self.output_ids else 0)
+        return self.num_cached < self.num_tokens - (1 if self.output_ids else 0)
 
     def abort(self, message: str) -> None:
         self.finish_reason = FinishReason.ABORT

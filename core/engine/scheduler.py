@@ -7,10 +7,10 @@ slots the newest running request is preempted: its slots are freed and it waits 
 recomputed later with its output so far. A request that could never fit (longer than the
 context or the whole pool) is aborted with a clear error while the others go on.
 
-With a prefix cache (backplane.engine.prefix_cache), admission starts a request at its longest
-cached prefix and prefills only the rest; finished and preempted requests leave their KV in the
-cache, whose unreferenced entries are evicted (least recently used first) before anything is
-preempted.
+With a prefix cache (backplane.engine.prefix_cache), waiting requests are admitted longest cached
+prefix first, and admission starts a request at its longest cached prefix and prefills only the
+rest; finished and preempted requests leave their KV in the cache, whose unreferenced entries are
+evicted (least recently used first) before anything is preempted.
 """
 
 from __future__ import annotations
@@ -100,9 +100,8 @@ class Scheduler:
                     f"but the pool holds {self.kv_pool.num_slots}; raise --max-total-tokens")
         vocab = getattr(getattr(self.runner, "hf_config", None), "vocab_size", None)
         ids = req.prompt_ids
-        outside = vocab and (min(ids) < 0 or max(ids) >= vocab)  # min/max run in C: no Python loop per token
-        bad = next((t for t in ids if not 0 <= t < vocab), None) if outside else None
-        if bad is not None:
+        if vocab and not (min(ids) >= 0 and max(ids) < vocab):  # min/max first: they run at C speed
+            bad = next(t for t in ids if not 0 <= t < vocab)
             return f"request {req.rid}: token id {bad} is outside the vocabulary; expected ids in [0, {vocab})"
         return None
 
@@ -138,7 +137,9 @@ class Scheduler:
         reqs, chunks, budget = [], [], self.chunk_size
         reserve = self.decode_slots_per_request * sum(1 for r in self.running if not r.needs_prefill)
         cache, in_batch = self.prefix_cache, RadixTree()
-        candidates = [r for r in self.running if r.needs_prefill] + list(self.waiting)
+        may_admit = len(self.running) < self.max_running
+        candidates = [r for r in self.running if r.needs_prefill] + (
+            cache.admission_order(self.waiting) if may_admit else list(self.waiting))
         for req in candidates:
             is_new = req.row is None
             if budget == 0 or (is_new and len(self.running) + sum(r.row is None for r in reqs) >= self.max_running):
@@ -147,7 +148,9 @@ class Scheduler:
                 break
             if is_new and not cache.match(req, in_batch):
                 continue  # a request in this batch computes its prefix; it reads it from the cache next
-            remaining = len(req.all_ids) - req.num_cached - (1 if req.output_ids else 0)
+            if not is_new:
+                cache.computes_in_batch(req, in_batch)
+            remaining = req.num_tokens - req.num_cached - (1 if req.output_ids else 0)
             n = min(remaining, budget)
             if n > cache.available() - reserve - sum(chunks) or (is_new and not self._admissible(req, reqs)):
                 if is_new:
@@ -229,15 +232,15 @@ class Scheduler:
 
     def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> LaunchedStep | None:
         batch = self._prepare(build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool), reqs)
-        completes = [req.num_cached + n == len(req.all_ids) for req, n in zip(reqs, chunks)]
+        completes = [req.num_cached + n == req.num_tokens for req, n in zip(reqs, chunks)]
         for req, n in zip(reqs, chunks):
             req.num_cached += n
         if self.spec_worker is not None:  # EAGLE keeps the target's hidden states of the prompt
             logits = self.spec_worker.forward_prefill(batch, reqs, chunks).logits
         else:
             logits = self.runner.forward(batch).logits
-        for req in reqs:
-            self.prefix_cache.cache_prefilled(req)
+        for req, n in zip(reqs, chunks):
+            self.prefix_cache.cache_prefilled(req, n)
         done = [req for req, c in zip(reqs, completes) if c]
         if not done:
             return None

@@ -11,21 +11,23 @@ from typing import Any, Hashable
 
 from backplane.executor.batch import ForwardMode
 
-DEFAULT_SIZES = [1, 2, 4] + [8 * k for k in range(1, 21)]  # 1, 2, 4, 8, 16, ..., 160
+DEFAULT_SIZES = [1, 2, 4] + [8 * k for k in range(1, 21)]  # 1, 2, 4, 8, 16, ..., 160 (the default max)
 NO_PADDING_SIZES = list(range(1, 33)) + [64, 128]
 
 
 def capture_batch_sizes(args: Any, req_pool_size: int) -> tuple[list[int], list[int]]:
     """(sizes to capture, the subset to torch.compile), both ascending.
 
-    --cuda-graph-bs wins; else the default ladder (or 1..32, 64, 128 without padding). A request
-    pool smaller than the largest size adds the pool size and pool size - 1. Everything is cut at
-    --cuda-graph-max-bs and the pool size.
+    --cuda-graph-bs wins; else the default ladder, 1, 2, 4 and multiples of 8 up to
+    --cuda-graph-max-bs (or 1..32, 64, 128 without padding). A request pool smaller than the
+    largest size adds the pool size and pool size - 1. Everything is cut at --cuda-graph-max-bs and
+    the pool size.
     """
     if args.cuda_graph_bs:
         sizes = list(args.cuda_graph_bs)
     else:
-        sizes = list(NO_PADDING_SIZES if args.disable_cuda_graph_padding else DEFAULT_SIZES)
+        ladder = [1, 2, 4] + list(range(8, args.cuda_graph_max_bs + 1, 8))
+        sizes = list(NO_PADDING_SIZES) if args.disable_cuda_graph_padding else ladder
         if max(sizes) > req_pool_size:
             sizes += [req_pool_size - 1, req_pool_size]
     limit = min(args.cuda_graph_max_bs, req_pool_size)

@@ -97,6 +97,12 @@ class TokenToKVPool:
         self._num_free += n
         self._is_free[slots] = True
 
+    def sort_free(self) -> None:
+        """Put the free list back in a fresh pool's order, so allocations come out as ascending runs
+        of slots again instead of the order earlier frees left (which scatters a request's KV over
+        the pool). O(num_free log num_free): for idle moments, such as between benchmark runs."""
+        self._free[: self._num_free] = self._free[: self._num_free].sort().values
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 

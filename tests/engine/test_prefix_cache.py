@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from backplane import Engine, ForwardMode, SamplingParams
-from helpers_models import unused_slots
+from backplane import Engine, SamplingParams
+from helpers_models import count_computed_tokens, unused_slots
 from lora_helpers import make_lora_world
 
 CPU = dict(device="cpu", dtype="float32", load_format="dummy", disable_cuda_graph=True, seed=3)
@@ -16,19 +16,6 @@ SYSTEM = list(range(5, 65))  # a 60-token shared prefix
 PROMPTS = ([SYSTEM + [100 + i, 7, 8 + i] for i in range(5)]  # shared
            + [SYSTEM[:30] + [200 + i] * 4 for i in range(3)]  # partly shared
            + [[300 + i, 9, 40 + i, 11] * 5 for i in range(3)])  # unshared
-
-
-def count_computed_tokens(engine: Engine) -> list[int]:
-    """Wrap the runner's forward: the list gets the number of tokens of every extend batch."""
-    counts, forward = [], engine.runner.forward
-
-    def counting(batch):
-        if batch.forward_mode == ForwardMode.EXTEND:
-            counts.append(batch.num_tokens)
-        return forward(batch)
-
-    engine.runner.forward = counting
-    return counts
 
 
 def serve_twice(**settings):
@@ -95,9 +82,13 @@ def test_adapters_never_share_kv(tmp_path_factory):
     for disable in (True, False):
         engine = Engine(str(world.base_dir), disable_radix_cache=disable, **settings)
         first = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora=adapters)
+        prefilled = engine.stats()["prefix_cache"]["prefill_tokens"]
         again = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY, lora=adapters[:3])
         outs[disable] = [o.token_ids for o in first + again]
         if not disable:
+            # In one call each adapter computes the prompt once (its second request waits for that
+            # and computes its last token only), and never reads another adapter's copy.
+            assert prefilled == 3 * len(prompts[0]) + 3
             tree = engine.scheduler.prefix_cache.tree
             assert set(tree.roots) == {None, "all7_r4", "qv_down_r8"}
             for name in (None, "all7_r4", "qv_down_r8"):  # each adapter cached its own copy of the prompt

@@ -85,3 +85,17 @@ def test_split_keeps_references_of_the_lower_part():
     assert tree.protected_size == 4 and tree.evict(10) == 0
     tree.unlock(node)
     assert tree.protected_size == 0 and tree.evictable_size == 4
+
+
+def test_match_stop_and_match_length_agree_with_slicing_the_key():
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4, 5, 6], slots(11, 12, 13, 14, 15, 16))
+    tree.insert([1, 2, 3, 9, 9], slots(11, 12, 13, 19, 19))
+    for key in ([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 8], [1, 2], [2, 1], []):
+        for stop in (None, 0, 1, 3, 4, 5, 10):
+            want = tree.match_length(key[:stop])
+            nodes = sum(1 for _ in tree.nodes())
+            assert tree.match_length(key, stop=stop) == want
+            assert sum(1 for _ in tree.nodes()) == nodes  # match_length splits nothing
+            assert tree.match(key, stop=stop).length == want == tree.match(key[:stop]).length
+    assert tree.match_length([1, 2, 3], "adapter") == 0 and "adapter" not in tree.roots

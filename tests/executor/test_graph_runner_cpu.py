@@ -39,6 +39,11 @@ def test_max_bs_cuts_the_ladder():
     assert capture_batch_sizes(flags(cuda_graph_max_bs=20), 256)[0] == [1, 2, 4, 8, 16]
 
 
+def test_max_bs_extends_the_ladder_up_to_the_pool():
+    assert capture_batch_sizes(flags(cuda_graph_max_bs=256), 256)[0] == DEFAULT_SIZES + list(range(168, 257, 8))
+    assert capture_batch_sizes(flags(cuda_graph_max_bs=512), 200)[0] == [1, 2, 4] + list(range(8, 200, 8)) + [199, 200]
+
+
 def test_small_pool_adds_pool_size_and_pool_size_minus_one():
     assert capture_batch_sizes(flags(), 30)[0] == [1, 2, 4, 8, 16, 24, 29, 30]
     assert capture_batch_sizes(flags(), 8)[0] == [1, 2, 4, 7, 8]

@@ -179,3 +179,14 @@ def test_kv_pool_alloc_free_interleavings(ops):
     for chunk in held:
         pool.free(chunk)
     assert pool.num_free == 40
+
+
+def test_sort_free_restores_a_fresh_pools_allocation_order():
+    pool, fresh = (TokenToKVPool(40, 1, 1, 2, torch.float32, "cpu") for _ in range(2))
+    held = [pool.alloc(n) for n in (7, 5, 9, 3)]
+    for chunk in (held[2], held[0], held[3]):
+        pool.free(chunk.flip(0))
+    pool.sort_free()
+    held_slots = set(held[1].tolist())
+    want = [s for s in fresh.alloc(40).tolist() if s not in held_slots]  # a fresh pool, minus held[1]
+    assert pool.alloc(pool.num_free).tolist() == want
