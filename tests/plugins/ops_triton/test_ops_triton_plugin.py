@@ -150,3 +150,57 @@ def test_torch_compile_keeps_the_compile_safe_ops(model_dir, native_tokens, monk
     assert {"ops_triton.rms_norm.default", "ops_triton.fused_add_rms_norm.default",
             "ops_triton.silu_and_mul.default"} <= seen, sorted(seen)
     assert {"rms_norm_op", "fused_add_rms_norm_op", "silu_and_mul_op"} <= set(launches)
+
+
+@pytest.fixture(scope="module")
+def model_dir_hd32(tmp_path_factory):
+    """Head dim 32: one the triton attention backend takes."""
+    path = tmp_path_factory.mktemp("ops_triton_model_hd32")
+    make_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=2, head_dim=32), seed=6).save_pretrained(
+        path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.mark.parametrize("rotary_kv_write", ["native", "triton"])
+def test_triton_attention_takes_kv_written_by_rotary_kv_write(model_dir_hd32, monkeypatch, rotary_kv_write):
+    """The triton attention backend opts in (fuses_rotary_kv_write): the layer rotates and writes K/V
+    in one op, the backend does not write them again, and greedy output equals torch_native's."""
+    from backplane.executor.memory import TokenToKVPool
+    from backplane.ops import native
+    from backplane.plugins.ops_triton import kernels
+
+    fused, pool_writes = [], []
+    real_kernel, real_native, real_write = kernels.rotary_kv_write, native.rotary_kv_write, TokenToKVPool.set_kv_buffer
+    monkeypatch.setattr(kernels, "rotary_kv_write", lambda *a: fused.append("triton") or real_kernel(*a))
+    monkeypatch.setattr(TokenToKVPool, "set_kv_buffer", lambda *a: pool_writes.append(1) or real_write(*a))
+    if rotary_kv_write == "native":  # the table holds the function itself: record through the layer
+        from backplane.layers.rotary import RotaryEmbedding
+
+        real_layer = RotaryEmbedding.forward_kv_write
+        monkeypatch.setattr(RotaryEmbedding, "forward_kv_write", lambda *a: fused.append("native") or real_layer(*a))
+    want = _tokens(Engine(model_dir_hd32, **ENGINE))
+    assert not fused and pool_writes  # torch_native did not opt in: it wrote K/V itself
+    pool_writes.clear()
+    engine = Engine(model_dir_hd32, custom_ops=[f"rotary_kv_write={rotary_kv_write}"],
+                    **{**ENGINE, "attention_backend": "triton"})
+    assert engine.backends["custom_ops"]["rotary_kv_write"] == rotary_kv_write
+    assert _tokens(engine) == want
+    assert fused and set(fused) == {rotary_kv_write} and not pool_writes
+    assert real_native is native.rotary_kv_write
+
+
+def test_backend_that_does_not_opt_in_is_called_as_before(model_dir, native_tokens, monkeypatch):
+    """torch_native keeps the default (fuses_rotary_kv_write False): it gets rotated q/k and no
+    kv_written argument, and writes K/V itself."""
+    from backplane.attention.torch_native import TorchNativeAttnBackend
+
+    seen = []
+    real = TorchNativeAttnBackend.forward_extend
+
+    def forward_extend(self, q, k, v, layer, batch):  # the pre-opt-in signature
+        seen.append(1)
+        return real(self, q, k, v, layer, batch)
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "forward_extend", forward_extend)
+    engine = Engine(model_dir, custom_ops=FORCED, **ENGINE)
+    assert _tokens(engine) == native_tokens and seen
