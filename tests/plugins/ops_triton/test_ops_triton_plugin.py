@@ -1,6 +1,7 @@
 """The ops_triton plugin as installed: its priorities on cuda and cpu, `--custom-ops op=triton`, the
 compile-safe flag, `backplane plugins`, and tiny-llama greedy output with every triton op forced
-(interpreter), eager and under torch.compile."""
+(interpreter), eager and under torch.compile, and the fused rotary + K/V write behind the
+attention backend's opt-in."""
 
 import os
 
@@ -19,7 +20,6 @@ from backplane.ops.names import OP_NAMES  # noqa: E402
 from backplane.ops.native import NATIVE_OPS  # noqa: E402
 from backplane.plugin.manager import load_plugins  # noqa: E402
 from backplane.plugins.ops_triton import ops as triton_ops  # noqa: E402
-from helpers_models import make_hf_model, tiny_hf_config  # noqa: E402
 
 TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_kv_write")
 FORCED = [f"{op}=triton" for op in TRITON_OPS]
@@ -94,11 +94,8 @@ def test_backplane_plugins_lists_it():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ops_triton_model")
-    make_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=2), seed=5).save_pretrained(
-        path, safe_serialization=True)
-    return str(path)
+def model_dir():
+    return "tiny-llama"  # the preset, dummy weights; head dim 64 (the triton attention backend takes it)
 
 
 def _tokens(engine) -> list[list[int]]:
@@ -152,17 +149,8 @@ def test_torch_compile_keeps_the_compile_safe_ops(model_dir, native_tokens, monk
     assert {"rms_norm_op", "fused_add_rms_norm_op", "silu_and_mul_op"} <= set(launches)
 
 
-@pytest.fixture(scope="module")
-def model_dir_hd32(tmp_path_factory):
-    """Head dim 32: one the triton attention backend takes."""
-    path = tmp_path_factory.mktemp("ops_triton_model_hd32")
-    make_hf_model(tiny_hf_config("LlamaForCausalLM", num_hidden_layers=2, head_dim=32), seed=6).save_pretrained(
-        path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.mark.parametrize("rotary_kv_write", ["native", "triton"])
-def test_triton_attention_takes_kv_written_by_rotary_kv_write(model_dir_hd32, monkeypatch, rotary_kv_write):
+def test_triton_attention_takes_kv_written_by_rotary_kv_write(model_dir, monkeypatch, rotary_kv_write):
     """The triton attention backend opts in (fuses_rotary_kv_write): the layer rotates and writes K/V
     in one op, the backend does not write them again, and greedy output equals torch_native's."""
     from backplane.executor.memory import TokenToKVPool
@@ -178,10 +166,10 @@ def test_triton_attention_takes_kv_written_by_rotary_kv_write(model_dir_hd32, mo
 
         real_layer = RotaryEmbedding.forward_kv_write
         monkeypatch.setattr(RotaryEmbedding, "forward_kv_write", lambda *a: fused.append("native") or real_layer(*a))
-    want = _tokens(Engine(model_dir_hd32, **ENGINE))
+    want = _tokens(Engine(model_dir, **ENGINE))
     assert not fused and pool_writes  # torch_native did not opt in: it wrote K/V itself
     pool_writes.clear()
-    engine = Engine(model_dir_hd32, custom_ops=[f"rotary_kv_write={rotary_kv_write}"],
+    engine = Engine(model_dir, custom_ops=[f"rotary_kv_write={rotary_kv_write}"],
                     **{**ENGINE, "attention_backend": "triton"})
     assert engine.backends["custom_ops"]["rotary_kv_write"] == rotary_kv_write
     assert _tokens(engine) == want
