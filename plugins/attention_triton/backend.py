@@ -80,8 +80,9 @@ class TritonAttnBackend(AttentionBackend):
     # -- forward --------------------------------------------------------------------------------
 
     def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
-        """Opted in: the layer may write K/V with rotary in one op (the kernels read K/V from the pool)."""
-        return True
+        """Opted in: the layer may write K/V with rotary in one op (the kernels read K/V from the pool),
+        when the batch's pool is the one this backend attends over (the layer writes into the batch's)."""
+        return batch.token_to_kv_pool is self.kv_pool
 
     def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
                        kv_written: bool = False) -> torch.Tensor:

@@ -126,13 +126,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _norm_launch(hidden: int) -> dict:
+    """Meta-parameters of the norm kernels: one block per row, more warps for wider rows."""
+    block = triton.next_power_of_2(hidden)
+    return dict(BLOCK=block, num_warps=max(1, min(16, block // 256)))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., hidden]; weight: [hidden] -> y: [..., hidden] in x's dtype (a new tensor)."""
     rows = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, y, y, rows.stride(0), rows.stride(0), rows.shape[1],
-                                           eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(rows.shape[1]))
+                                           eps, HAS_RESIDUAL=False, **_norm_launch(rows.shape[1]))
     return y
 
 
@@ -144,8 +150,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, y, residual_out, rows.stride(0), res_rows.stride(0),
-                                           rows.shape[1], eps, HAS_RESIDUAL=True,
-                                           BLOCK=triton.next_power_of_2(rows.shape[1]))
+                                           rows.shape[1], eps, HAS_RESIDUAL=True, **_norm_launch(rows.shape[1]))
     return y, residual_out
 
 

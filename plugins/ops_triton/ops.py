@@ -101,7 +101,7 @@ def _rotary_kv_write_fake(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight in fp32, returned in x's dtype. x: [..., hidden]."""
-    if not _runs(x) or not _runs(weight) or x.shape[-1] > MAX_NORM_HIDDEN:
+    if not _runs(x) or not _runs(weight) or weight.device != x.device or x.shape[-1] > MAX_NORM_HIDDEN:
         return native.rms_norm(x, weight, eps)
     if torch.compiler.is_compiling():
         return rms_norm_op(x, weight, eps)
@@ -112,7 +112,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), both new tensors; x and residual are left unchanged,
     as native leaves them. The sum is rounded to x's dtype before the norm, as native does."""
-    if not _runs(x, residual) or not _runs(weight) or x.shape[-1] > MAX_NORM_HIDDEN or x.shape != residual.shape:
+    if (not _runs(x, residual) or not _runs(weight) or weight.device != x.device or x.shape[-1] > MAX_NORM_HIDDEN
+            or x.shape != residual.shape):
         return native.fused_add_rms_norm(x, residual, weight, eps)
     if torch.compiler.is_compiling():
         return fused_add_rms_norm_op(x, residual, weight, eps)
