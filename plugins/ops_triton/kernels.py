@@ -33,7 +33,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, residual_out_ptr,
         tl.store(residual_out_ptr + row * hidden + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / hidden
-    rstd = 1.0 / tl.sqrt(variance + eps)
+    rstd = tl.rsqrt(variance + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = x32 * rstd * w
     tl.store(y_ptr + row * hidden + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
