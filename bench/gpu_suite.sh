@@ -21,6 +21,8 @@
 #                                 MATRIX_SHARDS (3) parallel shards, then the merged summary (matrix.json)
 #   bench/gpu_suite.sh compile    bench/compile_speed.py: graphs with and without --enable-torch-compile (1B,
 #                                 triton and flashinfer, bs 1/8/32, capture time; issue 19)
+#   bench/gpu_suite.sh ops        the ops_triton GPU tests (bf16 numerics, CUDA-graph replay, torch.compile,
+#                                 tiny-llama generation), then bench/ops.py (each op against native)
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -56,7 +58,7 @@ run_tests() {
     [tests-flashinfer]="tests/gpu/test_attention_flashinfer_gpu.py"
     [tests-conformance]="tests/gpu/test_conformance_gpu.py"
     [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
-    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
+    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_ops_triton_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
   )
   # Tests that measure graph memory read the device's free memory: they run alone, afterwards.
   local serial="share_the_pool or shares_the_pool"
@@ -163,12 +165,17 @@ case "$what" in
     done
     for i in "${!pids[@]}"; do wait "${pids[$i]}"; test_summary "matrix-$i" $?; done
     python3 bench/matrix_summary.py "$out/matrix.json" "$out"/matrix-[0-9]*.json | tee "$out/matrix-summary.log" ;;
+  ops)
+    timeout -s INT 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
+      tests/gpu/test_ops_triton_gpu.py > "$out/ops-tests.log" 2>&1
+    test_summary ops-tests $?
+    TAIL=40 step ops-bench 240 python3 bench/ops.py --out "$out/ops.json" ;;
   compile)
     TAIL=12 step compile-speed 560 python3 bench/compile_speed.py --model llama-3.2-1b \
       ${COMPILE_BACKENDS:+--backends $COMPILE_BACKENDS} --out "$out/compile_speed.json" ;;
   plot) plot ;;
   tests|kernels|serving|matrix) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, compile, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, ops, compile, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

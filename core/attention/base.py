@@ -64,7 +64,8 @@ class AttentionBackend(ABC):
       k, v: [num_tokens, num_kv_heads, head_dim], the keys/values of the new tokens
       returns o: [num_tokens, num_heads, head_dim] in q's dtype
     Before attending, `forward_extend` and `forward_decode` write k and v into the KV pool at
-    `batch.out_cache_loc` (for layer `layer.layer_id`).
+    `batch.out_cache_loc` (for layer `layer.layer_id`), unless the backend opted in to
+    `fuses_rotary_kv_write` and is called with `kv_written=True`.
     """
 
     @abstractmethod
@@ -91,7 +92,19 @@ class AttentionBackend(ABC):
         """Refresh, in place, the static buffers of graph `key` for the (padded) `batch`."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def forward(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        if batch.forward_mode.is_decode:
-            return self.forward_decode(q, k, v, layer, batch)
-        return self.forward_extend(q, k, v, layer, batch)
+    def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
+        """Opt-in, default False: whether, for `batch`, the attention layer may apply rotary and write
+        the new tokens' K/V into the pool in one op (`rotary_kv_write`) before calling the backend.
+
+        A backend that returns True receives `kv_written=True` in `forward_extend` / `forward_decode`
+        for such calls (k and v are still passed, rotated) and must then not write them again. A
+        backend that keeps the default is called exactly as before: rotated q, k, v, and it writes K/V.
+        The layer never fuses inside torch.compile, where the usual path is traced.
+        """
+        return False
+
+    def forward(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch, kv_written: bool = False) -> torch.Tensor:
+        run = self.forward_decode if batch.forward_mode.is_decode else self.forward_extend
+        if kv_written:  # only for backends that opted in (fuses_rotary_kv_write)
+            return run(q, k, v, layer, batch, kv_written=True)
+        return run(q, k, v, layer, batch)

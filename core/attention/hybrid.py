@@ -25,11 +25,14 @@ class HybridAttnBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._pick(batch).init_forward_metadata(batch)
 
-    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        return self.prefill.forward_extend(q, k, v, layer, batch)
+    def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
+        return self._pick(batch).fuses_rotary_kv_write(batch)
 
-    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        return self.decode.forward_decode(q, k, v, layer, batch)
+    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch, **kv_written) -> torch.Tensor:
+        return self.prefill.forward_extend(q, k, v, layer, batch, **kv_written)
+
+    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch, **kv_written) -> torch.Tensor:
+        return self.decode.forward_decode(q, k, v, layer, batch, **kv_written)
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         for backend in {id(b): b for b in (self.prefill, self.decode)}.values():

@@ -2,7 +2,8 @@
 
 Attention and LoRA layers route through `torch.ops.backplane.*` while Dynamo traces
 (backplane.ops.opaque), so the compiled region holds the model's own math (norms, rotary, MLP,
-logits) and one opaque call per layer's attention and LoRA delta. Planning (the attention backend's
+logits) and one opaque call per layer's attention and LoRA delta. Custom ops declared compile-safe
+(torch.library ops of a plugin) stay opaque calls too; the others run as their native code. Planning (the attention backend's
 metadata, the LoRA batch info) is done by the caller before each call, outside the region.
 """
 
@@ -31,18 +32,28 @@ def _raise_recompile_limits() -> None:
 class CompiledForward:
     """Callable like the model: batch -> ModelOutput, through one torch.compile of the model.
 
-    model_ctx: the ModelContext whose `ops` table is swapped for the native one during the call
-    (Inductor fuses native norms/activations; plugin custom ops stay outside). dynamic: passed to
-    torch.compile (False for CUDA graphs, one compile per captured shape; None elsewhere).
+    model_ctx: the ModelContext whose `ops` table is swapped for `ops.for_compile()` during the call:
+    custom ops whose implementation declared `compile_safe` (torch.library ops, opaque to Inductor)
+    stay, the others become native so Inductor fuses them. dynamic: passed to torch.compile (False
+    for CUDA graphs, one compile per captured shape; None elsewhere).
     """
 
     def __init__(self, model: torch.nn.Module, model_ctx: Any, dynamic: bool | None = False):
         _raise_recompile_limits()
         self.model_ctx = model_ctx
         self.compiled = torch.compile(model, dynamic=dynamic)
+        self._eager_ops: CustomOps | None = None
+        self._compile_ops: CustomOps | None = None
+
+    def compile_ops(self, ops: CustomOps) -> CustomOps:
+        """The table the compiled region runs with, for the eager table `ops` (cached)."""
+        if ops is not self._eager_ops:
+            self._eager_ops, self._compile_ops = ops, ops.for_compile()
+        return self._compile_ops
 
     def __call__(self, batch: Any) -> Any:
-        ops, self.model_ctx.ops = self.model_ctx.ops, CustomOps.native()
+        ops = self.model_ctx.ops
+        self.model_ctx.ops = self.compile_ops(ops)
         try:
             with forward_context(batch):
                 return self.compiled(batch)

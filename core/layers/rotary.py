@@ -37,6 +37,13 @@ class RotaryEmbedding(nn.Module):
         q3, k3 = self.ctx.ops.rotary_embedding(positions, q3, k3, self.cos_sin_cache, self.is_neox)
         return q3.reshape(q.shape), k3.reshape(k.shape)
 
+    def forward_kv_write(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor):
+        """The `rotary_kv_write` op: rotate q: [T, H, D] and k: [T, H_kv, D], write the rotated k and
+        v: [T, H_kv, D] into k_cache / v_cache at slots loc: [T]; returns the rotated (q, k)."""
+        return self.ctx.ops.rotary_kv_write(positions, q, k, v, self.cos_sin_cache, self.is_neox,
+                                            k_cache, v_cache, loc)
+
     def _apply(self, fn, recurse=True):
         # NOTE: a model-wide .to(dtype) / .half() must not round the fp32 cache: keep the original
         # values and follow only the device change.

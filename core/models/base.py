@@ -20,7 +20,7 @@ class ModelContext:
     attn_backend: an object with `.forward(q, k, v, layer_info, batch)` (an AttentionBackend or a
       composite of several). The layers read it, and `ops`, at every call, so the model runner
       sets the model's backend once after the model is built (the backend needs the KV pool, sized
-      from the model) and may swap `ops` for `CustomOps.native()` inside torch.compile. A forward
+      from the model) and may swap `ops` for `ops.for_compile()` inside torch.compile. A forward
       that runs under another backend (a draft model's passes, each with its own) binds it with
       `use_attention(backend)` for that forward only.
     dtype, device: where the parameters live. parallel: this rank's tensor-parallel position.

@@ -72,8 +72,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         if self.q_norm is not None:
             q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), batch))
+        # rotary is applied by the attention layer: fused with the K/V write when the backend opts in
+        return self.o_proj(self.attn(q, k, v.contiguous(), batch, rotary=self.rotary_emb, positions=positions))
 
 
 class LlamaDecoderLayer(nn.Module):

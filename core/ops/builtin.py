@@ -9,4 +9,5 @@ from backplane.plugin.registry import CustomOpImpl
 def backplane_register_custom_ops(register):
     for platform in ("cpu", "cuda"):
         for op, fn in NATIVE_OPS.items():
-            register(CustomOpImpl(op=op, platform=platform, fn=fn, name="native", priority=0))
+            register(CustomOpImpl(op=op, platform=platform, fn=fn, name="native", priority=0,
+                                  compile_safe=True))

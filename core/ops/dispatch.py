@@ -2,12 +2,14 @@
 
 For each op the highest-priority usable implementation registered for the platform wins, unless
 `--custom-ops op=name` names one. The native implementation is always available under "native".
+Inside torch.compile the table's `for_compile()` is used: the ops whose implementation declared
+`compile_safe` stay, the others are replaced by their native implementation.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 from backplane.ops.names import OP_NAMES
@@ -23,6 +25,8 @@ class CustomOps:
     """One plain callable per op (signatures of `backplane.ops.native`), plus what was chosen.
 
     chosen: op name -> implementation name, for logging.
+    compile_safe: the ops whose chosen implementation may be traced by torch.compile as it is
+      (native ones always; a plugin's when its CustomOpImpl declares compile_safe).
     """
 
     rms_norm: Callable
@@ -32,37 +36,51 @@ class CustomOps:
     gelu: Callable
     quick_gelu: Callable
     rotary_embedding: Callable
+    rotary_kv_write: Callable
     chosen: dict[str, str] = field(default_factory=dict)
+    compile_safe: frozenset[str] = frozenset(OP_NAMES)
 
     @classmethod
     def native(cls) -> CustomOps:
-        """The all-native table (used inside torch.compile and when nothing else is registered)."""
+        """The all-native table (used when nothing else is registered)."""
         return cls(**NATIVE_OPS, chosen={op: NATIVE for op in OP_NAMES})
 
+    def for_compile(self) -> CustomOps:
+        """The table to use inside torch.compile: ops not declared compile-safe become native."""
+        swapped = {op: NATIVE_OPS[op] for op in OP_NAMES if op not in self.compile_safe}
+        if not swapped:
+            return self
+        chosen = {**self.chosen, **{op: NATIVE for op in swapped}}
+        return replace(self, **swapped, chosen=chosen, compile_safe=frozenset(OP_NAMES))
 
-assert tuple(f.name for f in fields(CustomOps))[:-1] == OP_NAMES, "CustomOps fields must follow OP_NAMES"
+
+assert tuple(f.name for f in fields(CustomOps))[:-2] == OP_NAMES, "CustomOps fields must follow OP_NAMES"
 
 
-def _pick(op: str, candidates: list[CustomOpImpl], platform: str, override: str | None) -> tuple[str, Callable]:
-    """The (name, fn) used for `op` among its implementations registered on `platform`."""
+def _native_impl(op: str, platform: str) -> CustomOpImpl:
+    return CustomOpImpl(op=op, platform=platform, fn=NATIVE_OPS[op], name=NATIVE, compile_safe=True)
+
+
+def _pick(op: str, candidates: list[CustomOpImpl], platform: str, override: str | None) -> CustomOpImpl:
+    """The implementation used for `op` among those registered on `platform`."""
     if override is not None:
         return _pick_override(op, candidates, platform, override)
     usable = [impl for impl in candidates if impl.available() is None]
     best = max(usable, key=lambda impl: (impl.priority, impl.name == NATIVE, impl.name), default=None)
-    name, fn = (best.name, best.fn) if best is not None else (NATIVE, NATIVE_OPS[op])
+    chosen = best if best is not None else _native_impl(op, platform)
     passed = [impl for impl in candidates if impl not in usable and (best is None or impl.priority > best.priority)]
     if passed:  # a preferred implementation cannot run here: say so instead of falling back silently
-        logger.warning("custom op %s on %s: using %s because %s", op, platform, name,
+        logger.warning("custom op %s on %s: using %s because %s", op, platform, chosen.name,
                        "; ".join(f"{impl.name} (priority {impl.priority}) cannot run: {impl.available()}"
                                  for impl in passed))
-    return name, fn
+    return chosen
 
 
-def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name: str) -> tuple[str, Callable]:
+def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name: str) -> CustomOpImpl:
     matches = [impl for impl in candidates if impl.name == name]
     if not matches:
         if name == NATIVE:
-            return NATIVE, NATIVE_OPS[op]
+            return _native_impl(op, platform)
         registered = sorted({NATIVE, *(impl.name for impl in candidates)})
         raise ValueError(
             f"custom op override '{op}={name}': unknown implementation {name!r} for op {op!r} on "
@@ -71,7 +89,7 @@ def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name:
     reason = matches[0].available()
     if reason is not None:
         raise ValueError(f"custom op override '{op}={name}': implementation {name!r} cannot run here: {reason}")
-    return name, matches[0].fn
+    return matches[0]
 
 
 def resolve_custom_ops(impls: list[CustomOpImpl], platform: str, overrides: dict[str, str]) -> CustomOps:
@@ -86,8 +104,11 @@ def resolve_custom_ops(impls: list[CustomOpImpl], platform: str, overrides: dict
             raise ValueError(
                 f"custom op override '{op}={name}': unknown op {op!r}; expected one of: {', '.join(OP_NAMES)}"
             )
-    table, chosen = {}, {}
+    picked = {}
     for op in OP_NAMES:
         candidates = [impl for impl in impls if impl.op == op and impl.platform == platform]
-        chosen[op], table[op] = _pick(op, candidates, platform, overrides.get(op))
-    return CustomOps(**table, chosen=chosen)
+        picked[op] = _pick(op, candidates, platform, overrides.get(op))
+    return CustomOps(**{op: impl.fn for op, impl in picked.items()},
+                     chosen={op: impl.name for op, impl in picked.items()},
+                     compile_safe=frozenset(op for op, impl in picked.items()
+                                            if impl.compile_safe or impl.fn is NATIVE_OPS[op]))

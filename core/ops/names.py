@@ -8,4 +8,5 @@ OP_NAMES = (
     "gelu",
     "quick_gelu",
     "rotary_embedding",
+    "rotary_kv_write",  # rotary fused with the KV-cache write; used only by backends that opt in
 )

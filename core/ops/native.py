@@ -91,6 +91,31 @@ def rotary_embedding(
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
 
 
+def rotary_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding` of q and k, then the rotated k and v written into the KV cache at `loc`.
+
+    positions, q, k, cos_sin_cache, is_neox: as `rotary_embedding`; v: [T, num_kv_heads, head_dim];
+    k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (one layer of the pool, any float dtype);
+    loc: [T] int slot of each token. Writes k_cache[loc] and v_cache[loc] in the cache's dtype (as
+    `TokenToKVPool.set_kv_buffer` does) and returns new tensors (q_rot, k_rot) in q's and k's dtype;
+    q, k and v are left unchanged.
+    """
+    q_rot, k_rot = rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+    k_cache[loc] = k_rot.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+    return q_rot, k_rot
+
+
 NATIVE_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -99,4 +124,5 @@ NATIVE_OPS: dict[str, Callable] = {
     "gelu": gelu,
     "quick_gelu": quick_gelu,
     "rotary_embedding": rotary_embedding,
+    "rotary_kv_write": rotary_kv_write,
 }

@@ -84,6 +84,10 @@ class CustomOpImpl:
     """One implementation of a named custom op on one platform; the highest priority usable one wins.
 
     name: how `--custom-ops op=NAME` refers to it ("native", "flashinfer", ...).
+    compile_safe: True when `fn` may be traced by torch.compile as it is: Dynamo sees only traceable
+      torch code and ops registered with torch.library (custom_op + register_fake), which stay
+      opaque calls in the compiled graph. False (default): inside torch.compile the native
+      implementation is used instead.
     """
 
     op: str
@@ -92,6 +96,7 @@ class CustomOpImpl:
     name: str
     priority: int = 0
     available: Callable[[], str | None] = _always_available
+    compile_safe: bool = False
 
 
 @dataclass(frozen=True)

@@ -79,11 +79,17 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- forward --------------------------------------------------------------------------------
 
-    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+    def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
+        """Opted in: the layer may write K/V with rotary in one op (the kernels read K/V from the pool),
+        when the batch's pool is the one this backend attends over (the layer writes into the batch's)."""
+        return batch.token_to_kv_pool is self.kv_pool
+
+    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
+                       kv_written: bool = False) -> torch.Tensor:
         meta = self._metadata(ExtendMetadata, batch)
         if k is None or v is None:
             raise ValueError("triton attention: forward_extend expected the new tokens' k and v, got None")
-        q, k, v, o = self._prepare(q, k, v, layer, batch)
+        q, k, v, o = self._prepare(q, k, v, layer, batch, write_kv=not kv_written)
         if q.shape[0] == 0:
             return o
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
@@ -99,9 +105,10 @@ class TritonAttnBackend(AttentionBackend):
             window=layer.sliding_window, custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr,
         )
 
-    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
+                       kv_written: bool = False) -> torch.Tensor:
         meta = self._metadata(DecodeMetadata, batch)
-        q, _, _, o = self._prepare(q, k, v, layer, batch)
+        q, _, _, o = self._prepare(q, k, v, layer, batch, write_kv=not kv_written)
         if q.shape[0] == 0:
             return o
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
@@ -120,8 +127,9 @@ class TritonAttnBackend(AttentionBackend):
             )
         return meta
 
-    def _prepare(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch):
-        """Shape q/k/v as [tokens, heads, head_dim], store k/v in the pool, allocate the output."""
+    def _prepare(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch, write_kv: bool = True):
+        """Shape q/k/v as [tokens, heads, head_dim], store k/v in the pool (unless the layer already
+        did, `write_kv=False`), allocate the output."""
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         if self.kv_pool.dtype != q.dtype:
             raise ValueError(
@@ -131,7 +139,8 @@ class TritonAttnBackend(AttentionBackend):
         if k is not None:
             k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
             v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
-            self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+            if write_kv:
+                self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         return q, k, v, q.new_empty(q.shape)
 
     # -- CUDA graphs ----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from backplane.ops.native import (
     quick_gelu,
     rms_norm,
     rotary_embedding,
+    rotary_kv_write,
     silu_and_mul,
 )
 from backplane.ops.rope import build_cos_sin_cache
@@ -117,6 +118,27 @@ def test_neox_and_gptj_differ():
     cache = build_cos_sin_cache(8, 4, 10000.0)
     assert not torch.allclose(rotary_embedding(positions, q, k, cache, True)[0],
                               rotary_embedding(positions, q, k, cache, False)[0])
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_kv_write_rotates_and_writes_the_cache(is_neox):
+    """rotary_kv_write = the plain rotary formula on q and k, plus k_rot and v written at loc in the
+    cache's dtype; every other slot and the inputs are left as they were."""
+    base, positions = 1000.0, torch.tensor([0, 3, 17, 100, 5], dtype=torch.int64)
+    q, k, v = randn(5, 3, 16), randn(5, 1, 16), randn(5, 1, 16)
+    inputs = [t.clone() for t in (q, k, v)]
+    cache = build_cos_sin_cache(16, 128, base)
+    inv_freq = 1.0 / base ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    k_cache, v_cache = randn(9, 1, 16, dtype=torch.bfloat16), randn(9, 1, 16, dtype=torch.bfloat16)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    loc = torch.tensor([8, 1, 4, 2, 6])
+    q_rot, k_rot = rotary_kv_write(positions, q, k, v, cache, is_neox, k_cache, v_cache, loc)
+    torch.testing.assert_close(q_rot, reference_rotary(q, positions, inv_freq, is_neox), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(k_rot, reference_rotary(k, positions, inv_freq, is_neox), rtol=1e-4, atol=1e-5)
+    assert torch.equal(k_cache[loc], k_rot.to(torch.bfloat16)) and torch.equal(v_cache[loc], v.to(torch.bfloat16))
+    untouched = torch.tensor([0, 3, 5, 7])
+    assert torch.equal(k_cache[untouched], k_before[untouched]) and torch.equal(v_cache[untouched], v_before[untouched])
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), inputs))
 
 
 def test_rotary_bf16_keeps_dtype():

@@ -43,7 +43,7 @@ def test_unknown_name_lists_every_registered_backend_and_plugin(registry):
         "needs_lib (plugin 'test_plugin'), no_window (plugin 'test_plugin'), "
         "torch_native (plugin 'attention.builtin'), triton (plugin 'attention_triton'), or 'auto'. "
         "Not loaded, filtered out by BACKPLANE_PLUGINS=attention_triton,attention_flashinfer,lora_triton: "
-        "example, spec_eagle, spec_ngram"
+        "example, ops_triton, spec_eagle, spec_ngram"
     )
 
 

@@ -1,0 +1,52 @@
+"""Custom ops "triton": fused residual-add + RMSNorm, RMSNorm, SiLU-and-mul, rotary, rotary + KV write.
+
+This module is the plugin's entry point and registers implementations only; triton is imported
+on the first launch. On CUDA the ops outrank native (priority 50; FlashInfer's, at 100, win when it
+is installed). On CPU they run only under TRITON_INTERPRET=1 and only when asked for
+(`--custom-ops rms_norm=triton`): their CPU priority is below native's, so nothing picks them
+by itself. Every op is a torch.library op, declared compile-safe: under `--enable-torch-compile`
+it stays one opaque call in the compiled graph instead of being replaced by native.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from backplane import CustomOpImpl, hookimpl
+
+NAME = "triton"
+CUDA_PRIORITY = 50
+CPU_PRIORITY = -50  # below native (0): on CPU only an explicit --custom-ops picks it
+INSTALL_HINT = "pip install triton"
+
+
+def _triton_missing() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return f"triton is not installed ({INSTALL_HINT})"
+    return None
+
+
+def _available_cuda() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    return _triton_missing()
+
+
+def _available_cpu() -> str | None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "the Triton kernels run on CPU only under TRITON_INTERPRET=1 (for tests; slow)"
+    return _triton_missing()
+
+
+@hookimpl
+def backplane_register_custom_ops(register):
+    from backplane.plugins.ops_triton.ops import TRITON_OPS
+
+    for op, fn in TRITON_OPS.items():
+        register(CustomOpImpl(op=op, platform="cuda", fn=fn, name=NAME, priority=CUDA_PRIORITY,
+                              available=_available_cuda, compile_safe=True))
+        register(CustomOpImpl(op=op, platform="cpu", fn=fn, name=NAME, priority=CPU_PRIORITY,
+                              available=_available_cpu, compile_safe=True))
