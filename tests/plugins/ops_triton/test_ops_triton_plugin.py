@@ -7,6 +7,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere: run kernels on CPU
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -19,6 +20,7 @@ from backplane.ops.dispatch import CustomOps, resolve_custom_ops  # noqa: E402
 from backplane.ops.names import OP_NAMES  # noqa: E402
 from backplane.ops.native import NATIVE_OPS  # noqa: E402
 from backplane.plugin.manager import load_plugins  # noqa: E402
+from backplane.plugins.ops_triton import CUDA_PRIORITY  # noqa: E402
 from backplane.plugins.ops_triton import ops as triton_ops  # noqa: E402
 
 TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_kv_write")
@@ -37,14 +39,20 @@ def test_registered_on_both_platforms_compile_safe(impls):
     assert sorted((impl.op, impl.platform) for impl in mine) == sorted(
         (op, p) for op in TRITON_OPS for p in ("cpu", "cuda"))
     assert all(impl.compile_safe for impl in mine)
-    assert {impl.priority for impl in mine if impl.platform == "cuda"} == {50}
+    assert {impl.priority for impl in mine if impl.platform == "cuda"} == {CUDA_PRIORITY}
     assert all(impl.priority < 0 for impl in mine if impl.platform == "cpu")
 
 
 def test_cuda_picks_triton_by_priority(impls, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    ops = resolve_custom_ops(impls, "cuda", {})
+    # Until the GPU suite has run the kernels their cuda priority stays below native's; the
+    # selection rule under test is the one that applies once it is raised above it.
+    ranked = [dataclasses.replace(i, priority=50) if i.name == "triton" else i for i in impls]
+    ops = resolve_custom_ops(ranked, "cuda", {})
     assert {op: ops.chosen[op] for op in TRITON_OPS} == {op: "triton" for op in TRITON_OPS}
+    if CUDA_PRIORITY < 0:
+        assert resolve_custom_ops(impls, "cuda", {}).chosen["rms_norm"] == "native"
+        assert resolve_custom_ops(impls, "cuda", {"rms_norm": "triton"}).chosen["rms_norm"] == "triton"
     assert ops.chosen["gelu"] == "native"
     assert ops.rms_norm is triton_ops.rms_norm and "rms_norm" in ops.compile_safe
     assert resolve_custom_ops(impls, "cuda", {"rms_norm": "native"}).chosen["rms_norm"] == "native"
@@ -52,8 +60,9 @@ def test_cuda_picks_triton_by_priority(impls, monkeypatch):
 
 def test_cuda_without_a_gpu_says_why_and_uses_native(impls, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ranked = [dataclasses.replace(i, priority=50) if i.name == "triton" else i for i in impls]
     with caplog.at_level("WARNING", logger="backplane.ops.dispatch"):
-        ops = resolve_custom_ops(impls, "cuda", {})
+        ops = resolve_custom_ops(ranked, "cuda", {})
     assert ops.chosen["rms_norm"] == "native"
     assert any("triton (priority 50) cannot run: CUDA is not available" in m for m in caplog.messages)
 
