@@ -37,12 +37,12 @@ REFUSALS = (RequestRejected, QueueFullError, EngineDeadError)
 ORPHANED = "the server process is gone"
 
 
-def engine_main(conn: Any, args: Any, max_queued_requests: int | None) -> None:
+def engine_main(conn: Any, args: Any, max_queued_requests: int | None, plugins: list[Any]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine = _build_engine(args)
+        engine = _build_engine(args, plugins)
     except BaseException as exc:  # noqa: BLE001 - every startup error goes back to the server as is
         conn.send(("failed", _portable(exc)))
         return
@@ -58,11 +58,13 @@ def engine_main(conn: Any, args: Any, max_queued_requests: int | None) -> None:
     engine.shutdown()
 
 
-def _build_engine(args: Any) -> Any:
+def _build_engine(args: Any, plugins: list[Any]) -> Any:
     from backplane.engine.engine import Engine
     from backplane.plugin.manager import load_plugins
 
-    return Engine(server_args=args, plugin_set=load_plugins(strict=args.strict_plugins))
+    # NOTE: plugins load again here (a PluginSet does not pickle); `plugins` also reach TP workers.
+    return Engine(server_args=args, plugin_set=load_plugins(strict=args.strict_plugins, extra=plugins),
+                  plugins=plugins)
 
 
 def _ready_info(engine: Any, loop: EngineLoop) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from backplane.engine.engine_loop import EngineDeadError, QueueFullError, RequestRejected
 from backplane.engine.engine_process import engine_main
@@ -40,14 +40,15 @@ class ProcessEngine:
     """The engine of `server_args` in a spawned process, driven like AsyncEngine.
 
     max_queued_requests: as AsyncEngine's (checked in the engine process, with its messages).
+    plugins: plugin objects registered there besides the installed ones (they must pickle).
     """
 
-    def __init__(self, server_args: Any, max_queued_requests: int | None = None):
+    def __init__(self, server_args: Any, max_queued_requests: int | None = None, plugins: Sequence[Any] = ()):
         context = multiprocessing.get_context("spawn")
         self.args = server_args
         self._conn, child_conn = context.Pipe()
         # NOTE: not daemonic: a daemonic process may not start tensor-parallel workers.
-        self.process = context.Process(target=engine_main, args=(child_conn, server_args, max_queued_requests),
+        self.process = context.Process(target=engine_main, args=(child_conn, server_args, max_queued_requests, list(plugins)),
                                        name="backplane-engine")
         self.process.start()
         child_conn.close()  # only the child holds its end: its exit reads as EOF here

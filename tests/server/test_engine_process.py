@@ -53,7 +53,7 @@ def server():
     live.stop()
 
 
-def test_the_engine_runs_in_a_child_process_and_stops_with_sigterm(server):
+def test_the_engine_runs_in_a_child_process_and_stops_with_sigterm(server):  # R71
     pid = _engine_pid(server)
     assert pid != server.proc.pid and _parent_of(pid) == server.proc.pid
     r = httpx.post(f"{server.url}/v1/completions", json=SHORT, timeout=30)
@@ -62,14 +62,14 @@ def test_the_engine_runs_in_a_child_process_and_stops_with_sigterm(server):
     assert _wait_gone(pid, 5.0)
 
 
-def test_killing_the_server_leaves_no_engine_process(server):
+def test_killing_the_server_leaves_no_engine_process(server):  # R71
     pid = _engine_pid(server)
     server.proc.kill()  # SIGKILL: no shutdown code runs; the engine process sees its pipe close
     server.proc.wait()
     assert _wait_gone(pid, EXIT_GRACE_S + 5.0), "the engine process outlived its server"
 
 
-def test_a_dead_engine_fails_requests_in_flight_and_health(server):
+def test_a_dead_engine_fails_requests_in_flight_and_health(server):  # R70
     pid = _engine_pid(server)
     with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, timeout=30) as r:
         lines = r.iter_lines()
@@ -100,7 +100,7 @@ def test_engine_in_thread_serves_the_same_tokens(server):
 
 @pytest.mark.parametrize("flags", [["--model", "/nonexistent"], [*TINY, "--speculative-algorithm", "bogus"]],
                          ids=["model", "plugin"])
-def test_startup_errors_read_the_same_in_both_modes(flags):
+def test_startup_errors_read_the_same_in_both_modes(flags):  # R72
     def serve(*extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "backplane.cli", "serve", "--port", "0", *flags, *extra],
                               capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
