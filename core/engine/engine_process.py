@@ -16,7 +16,8 @@ Engine from the pickled EngineArgs, answers ("ready", info) or ("failed", except
 
 The process ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the server
 drains and stops it. When the server process is gone the pipe reads EOF: the loop is stopped
-and the process exits within EXIT_GRACE_S whatever it is doing.
+and the process exits within EXIT_GRACE_S whatever it is doing; a watchdog on the parent pid
+does the same while the model is still loading.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from backplane.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullE
 
 STATS_INTERVAL_S = 0.01
 EXIT_GRACE_S = 5.0
+PARENT_POLL_S = 0.5
 REFUSALS = (RequestRejected, QueueFullError, EngineDeadError)
 ORPHANED = "the server process is gone"
 
@@ -40,22 +42,35 @@ ORPHANED = "the server process is gone"
 def engine_main(conn: Any, args: Any, max_queued_requests: int | None, plugins: list[Any]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    _watch_parent(os.getppid())
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    channel = _Channel(conn)
     try:
         engine = _build_engine(args, plugins)
     except BaseException as exc:  # noqa: BLE001 - every startup error goes back to the server as is
-        conn.send(("failed", _portable(exc)))
+        channel.send(("failed", _portable(exc)))
         return
-    channel = _Channel(conn)
     sender = _StepSender(channel, engine.scheduler)
     loop = EngineLoop(engine, sender, max_queued_requests)
     sender.stats = loop.stats
-    conn.send(("ready", _ready_info(engine, loop)))
+    channel.send(("ready", _ready_info(engine, loop)))
     threading.Thread(target=_receive, args=(conn, loop, channel), name="backplane-engine-inbox", daemon=True).start()
     loop.run()
     loop.refuse_late_adds()
     channel.send(("stopped", loop.dead))
     engine.shutdown()
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit once the server process is gone, even while the model still loads (nobody reads the
+    pipe then); later the pipe's EOF stops the loop first and this is only the backstop."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        time.sleep(EXIT_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="backplane-engine-watchdog", daemon=True).start()
 
 
 def _build_engine(args: Any, plugins: list[Any]) -> Any:

@@ -136,7 +136,11 @@ class ProcessEngine:
         self._send(("abort", rid, message))
 
     def abort_all(self, message: str) -> None:
-        self._send(("abort_all", message))
+        """Abort every request in flight (any thread); nothing to do once the engine is gone."""
+        try:
+            self._send(("abort_all", message))
+        except EngineDeadError:
+            pass
 
     def shutdown(self, message: str = "the server is shutting down", timeout: float = STOP_TIMEOUT_S) -> None:
         """Abort every request in flight, stop the engine process and wait for it; idempotent."""
@@ -199,7 +203,7 @@ class ProcessEngine:
         with self._lock:
             streams = self._streams
             for key, ids, logprobs, finish_reason, error, final_text, num_output_tokens in rows:
-                stream = streams.pop(key) if finish_reason else streams.get(key)
+                stream = streams.pop(key, None) if finish_reason else streams.get(key)
                 if stream is not None:
                     items.append((stream, Delta(ids, logprobs, finish_reason, error, final_text,
                                                 num_output_tokens, now)))
