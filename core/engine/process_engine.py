@@ -41,6 +41,8 @@ class ProcessEngine:
 
     max_queued_requests: as AsyncEngine's (checked in the engine process, with its messages).
     plugins: plugin objects registered there besides the installed ones (they must pickle).
+    The child is spawned, so a script that builds one needs the `if __name__ == "__main__":`
+    guard that multiprocessing asks for (`backplane serve` has it).
     """
 
     def __init__(self, server_args: Any, max_queued_requests: int | None = None, plugins: Sequence[Any] = ()):
