@@ -57,12 +57,12 @@ class ProcessEngine:
         atexit.register(self._kill)
         try:
             info = self._wait_ready()
-        except BaseException:
+            self.tokenizer = load_tokenizer(*info["tokenizer"])  # the engine process loaded it too
+        except BaseException:  # a startup error, or Ctrl-C while the model loads
             self._kill()
             raise
         self.pid: int = info["pid"]
         self.context_len: int = info["context_len"]
-        self.tokenizer = load_tokenizer(*info["tokenizer"])
         self._stats: dict[str, Any] = info["stats"]
         self.dead: str | None = None
         self._streams: dict[int, RequestStream] = {}  # by key, until the stream's last delta
