@@ -42,9 +42,9 @@ class AsyncEngine:
                  max_queued_requests: int | None = None, **kwargs: Any):
         self.engine = engine or Engine(model, **kwargs)
         self.scheduler = self.engine.scheduler
-        self.loop = EngineLoop(self.engine, deliver_by_loop, max_queued_requests)
+        self.engine_loop = EngineLoop(self.engine, deliver_by_loop, max_queued_requests)
         self.pid = os.getpid()  # where the engine runs (the engine process's, in process_engine.py)
-        self._thread = threading.Thread(target=self.loop.run, name="backplane-engine", daemon=True)
+        self._thread = threading.Thread(target=self.engine_loop.run, name="backplane-engine", daemon=True)
         self._thread.start()
 
     # -- any thread -----------------------------------------------------------------------------
@@ -52,7 +52,7 @@ class AsyncEngine:
     @property
     def dead(self) -> str | None:
         """Why the engine thread stopped, or None while it runs."""
-        return self.loop.dead
+        return self.engine_loop.dead
 
     @property
     def args(self) -> Any:
@@ -71,22 +71,22 @@ class AsyncEngine:
 
     @property
     def num_running(self) -> int:
-        return self.loop.num_running
+        return self.engine_loop.num_running
 
     @property
     def num_waiting(self) -> int:
         """Requests accepted that have no request row yet (queued in the inbox or the scheduler)."""
-        return self.loop.num_waiting
+        return self.engine_loop.num_waiting
 
     @property
     def kv_usage(self) -> tuple[int, int]:
         """(slots requests hold, slots in the pool) of the KV pool (see EngineLoop.kv_usage)."""
-        return self.loop.kv_usage
+        return self.engine_loop.kv_usage
 
     @property
     def prefix_cache_stats(self) -> dict[str, Any]:
         """The radix cache's counters (Engine.stats()["prefix_cache"])."""
-        return self.loop.prefix_cache_stats
+        return self.engine_loop.prefix_cache_stats
 
     def add_request(self, input_ids: Sequence[int] | None = None, params: SamplingParams | None = None, *,
                     prompt: str | None = None, lora: str | None = None) -> RequestStream:
@@ -102,12 +102,12 @@ class AsyncEngine:
         """
         import asyncio
 
-        reqs = self.loop.accept(token_lists, params, lora)
+        reqs = self.engine_loop.accept(token_lists, params, lora)
         loop = asyncio.get_running_loop()
         streams = [RequestStream(req.rid, len(req.prompt_ids), req.created_at, loop, self.engine.decode,
                                  stop_holdback(req.params), on_close=self._close_stream) for req in reqs]
         for req, stream in zip(reqs, streams):
-            self.loop.add(req.rid, req, stream)
+            self.engine_loop.add(req.rid, req, stream)
         return streams
 
     async def start_requests(self, token_lists: list[list[int]], params: list[SamplingParams],
@@ -124,11 +124,11 @@ class AsyncEngine:
 
     def abort(self, rid: int, message: str = "aborted by the client") -> None:
         """Abort a request: its KV slots and row are freed before the next step; its stream ends."""
-        self.loop.abort(rid, message)
+        self.engine_loop.abort(rid, message)
 
     def abort_all(self, message: str) -> None:
         """Abort every request in flight (thread-safe); the engine keeps serving new ones."""
-        self.loop.abort_all(message)
+        self.engine_loop.abort_all(message)
 
     def _close_stream(self, stream: RequestStream) -> None:
         if self._thread.is_alive():
@@ -139,7 +139,7 @@ class AsyncEngine:
     def shutdown(self, message: str = "the server is shutting down", timeout: float = 30.0) -> None:
         """Abort every request still in flight, stop the thread and the engine; idempotent."""
         if self._thread.is_alive():
-            self.loop.stop(message)
+            self.engine_loop.stop(message)
             self._thread.join(timeout)
-        self.loop.refuse_late_adds()
+        self.engine_loop.refuse_late_adds()
         self.engine.shutdown()
