@@ -6,6 +6,8 @@ offline Engine on the same requests.
         --max-input-len 32 --max-output-len 8 -- --attention-backend torch_native   # a smoke run on CPU
 
 Everything after `--` is engine flags, given both to `backplane serve` and to the offline Engine.
+The server runs its engine in a process of its own; BACKPLANE_ENGINE_IN_THREAD=1 in the
+environment measures the thread mode (`--engine-in-thread`) instead.
 
 Workload: --num-prompts requests with sharegpt-like lengths (bench/e2e.py's seeded log-normal
 draw, clamped to --max-input-len / --max-output-len), random token-id prompts, greedy, with

@@ -13,7 +13,7 @@ from backplane.engine.prefix_cache import PrefixCache
 from backplane.engine.request import FinishReason, Req, RequestOutput
 from backplane.engine.sampling_params import SamplingParams
 from backplane.engine.scheduler import Scheduler
-from backplane.engine.tokenizer import eos_ids, load_tokenizer
+from backplane.engine.tokenizer import decode_text, eos_ids, load_tokenizer
 from backplane.lora.manager import attach_lora
 from backplane.plugin.manager import PluginSet, load_plugins
 from backplane.settings import EngineArgs, build_server_args
@@ -111,7 +111,7 @@ class Engine:
             pass
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        return decode_text(self.tokenizer, ids)
 
     @property
     def backends(self) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """RequestStream: one request's output as an async iterator of StreamChunks (see AsyncEngine).
 
-The engine thread hands the event loop one callback per step for all of that loop's streams;
-`put` only appends to a list and wakes the consumer, and the consumer takes every delta that
-came since its last chunk in one go (a consumer slower than the engine gets fewer, bigger chunks).
+The engine loop's publisher (its thread, or the server's reader of the engine process) hands
+each event loop one callback per step for all of that loop's streams; `put` only appends to a
+list and wakes the consumer, and the consumer takes every delta that came since its last chunk
+in one go (a consumer slower than the engine gets fewer, bigger chunks).
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from backplane.engine.detokenize import IncrementalText
 
 
 @dataclass
 class Delta:
-    """What the engine thread sends after a step: the tokens new since the last Delta."""
+    """What the engine loop publishes after a step: the tokens new since the last Delta."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -78,7 +79,7 @@ class RequestStream:
         return self.finish_reason is not None
 
     def put(self, delta: Delta) -> None:
-        """Called on `loop` (the engine thread schedules it there)."""
+        """Called on `loop` (deliver_by_loop schedules it there)."""
         self._pending.append(delta)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -134,3 +135,26 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self.close()
+
+
+def stop_holdback(params: Any) -> int:
+    """Characters a stream keeps back while they might begin one of the request's stop strings."""
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def deliver_by_loop(items: list[tuple[RequestStream, Delta]]) -> None:
+    """Hand (stream, Delta) pairs to their streams from any thread: one callback per event loop,
+    however many streams that loop has (each callback costs a wake-up of the loop)."""
+    by_loop: dict[Any, list[tuple[RequestStream, Delta]]] = {}
+    for stream, delta in items:
+        by_loop.setdefault(stream.loop, []).append((stream, delta))
+    for loop, group in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, group)
+        except RuntimeError:  # the submitting loop is closed: nobody is listening
+            pass
+
+
+def _deliver(items: list[tuple[RequestStream, Delta]]) -> None:
+    for stream, delta in items:
+        stream.put(delta)

@@ -32,6 +32,11 @@ def load_tokenizer(path: Path | None, vocab_size: int, tokenizer_path: str | Non
     return None
 
 
+def decode_text(tokenizer: Any | None, ids: list[int]) -> str:
+    """The text of `ids` as the engine reports it (special tokens skipped; "" without a tokenizer)."""
+    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+
 def _has_tokenizer(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in TOKENIZER_FILES)
 

@@ -37,11 +37,11 @@ class ServerState:
     def __init__(self, engine: Any, serve_args: ServeArgs):
         self.engine = engine
         self.args = serve_args
-        self.model_name = serve_args.served_model_name or engine.engine.args.model
-        self.adapters = dict(sorted(engine.engine.args.lora_path_map.items()))
+        self.model_name = serve_args.served_model_name or engine.args.model
+        self.adapters = dict(sorted(engine.args.lora_path_map.items()))
         self.chat = ChatTemplate(engine.tokenizer, self.model_name, serve_args.chat_template)
         self.metrics = ServerMetrics(engine)
-        self.context_len = engine.engine.runner.context_len
+        self.context_len = engine.context_len
         self.created = int(time.time())
         self.draining = False  # set on SIGTERM: new generation requests get 503
 
@@ -92,11 +92,11 @@ class ServerState:
         return [list(self.engine.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
 
     def decode_token(self, token_id: int) -> str:
-        return self.engine.engine.decode([token_id])
+        return self.engine.decode([token_id])
 
     def models(self) -> dict[str, Any]:
         base = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "backplane",
-                "root": self.engine.engine.args.model, "parent": None, "max_model_len": self.context_len}
+                "root": self.engine.args.model, "parent": None, "max_model_len": self.context_len}
         adapters = [{**base, "id": name, "root": path, "parent": self.model_name}
                     for name, path in self.adapters.items()]
         return {"object": "list", "data": [base, *adapters]}
@@ -111,7 +111,7 @@ async def _respond(state: ServerState, request: Any, body: Any, prompts: list[li
     lora = state.adapter_for(body.model)
     params = [sampling_params(body, max_tokens) for _ in prompts]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = submit(state.engine, state.metrics, prompts, params, lora, formatter, body.n, include_usage,
+    gen = await submit(state.engine, state.metrics, prompts, params, lora, formatter, body.n, include_usage,
                  body.return_token_ids)
     if body.stream:
         return StreamingResponse(event_stream(request, gen), media_type="text/event-stream",
@@ -124,7 +124,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Any:
         if state.engine.dead or state.draining:
             return JSONResponse(error_body(503, state.engine.dead or "shutting down"), status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "engine_pid": state.engine.pid}  # the pid tells the two modes apart
 
     @app.get("/metrics")
     async def metrics() -> Any:
@@ -158,7 +158,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def build_app(engine: Any, serve_args: ServeArgs | None = None) -> FastAPI:
-    """The ASGI app over a running AsyncEngine; `app.state.server` is its ServerState."""
+    """The ASGI app over a running AsyncEngine or ProcessEngine; `app.state.server` is its ServerState."""
     state = ServerState(engine, serve_args or ServeArgs())
 
     @contextlib.asynccontextmanager

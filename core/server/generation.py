@@ -1,4 +1,4 @@
-"""One HTTP generation request: submit its outputs to AsyncEngine, then stream or collect them.
+"""One HTTP generation request: submit its outputs to the engine, then stream or collect them.
 
 The n outputs of every prompt run as separate engine requests, merged here into one response.
 A client that goes away (the connection closes, or the server cancels the handler) aborts every
@@ -35,12 +35,12 @@ class Generation:
     timers: list[Any]
 
 
-def submit(engine: Any, metrics: Any, prompts: list[list[int]], params: list[list[Any]], lora: str | None,
+async def submit(engine: Any, metrics: Any, prompts: list[list[int]], params: list[list[Any]], lora: str | None,
            formatter: Formatter, n: int, include_usage: bool, return_prompt: bool) -> Generation:
     """Start every output; map the engine's refusals to 400 / 503."""
     flat = [(ids, p) for ids, ps in zip(prompts, params) for p in ps]
     try:
-        streams = engine.add_requests([ids for ids, _ in flat], [p for _, p in flat], lora=lora)
+        streams = await engine.start_requests([ids for ids, _ in flat], [p for _, p in flat], lora=lora)
     except RequestRejected as err:
         raise ApiError(400, str(err).replace("max_new_tokens", "max_tokens"), "prompt") from None
     except QueueFullError as err:

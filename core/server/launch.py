@@ -1,8 +1,10 @@
 """run_server: build the engine, then serve the app with uvicorn until SIGINT/SIGTERM.
 
-On SIGTERM (or Ctrl-C) new generation requests get 503 and requests in flight may finish for
+The engine runs in a process of its own (ProcessEngine), or with --engine-in-thread in a thread
+of this one (AsyncEngine); either way the port opens only once the engine is ready. On SIGTERM
+(or Ctrl-C) new generation requests get 503 and requests in flight may finish for
 --shutdown-timeout seconds; then the engine aborts them (their streams end with an error event
-and `data: [DONE]`, whole requests get 503), uvicorn closes the connections, and the engine thread
+and `data: [DONE]`, whole requests get 503), uvicorn closes the connections, and the engine
 stops: the process exits 0 with nothing left running. Import this module only after
 `check_serve_dependencies()`.
 """
@@ -15,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from backplane.engine import AsyncEngine, Engine
+from backplane.engine.process_engine import ProcessEngine
 from backplane.server.app import build_app
 from backplane.server.generation import SHUTDOWN_MESSAGE
 
@@ -42,12 +45,19 @@ class DrainingServer(uvicorn.Server):
             captured.clear()
 
 
+def start_engine(server_args: Any, serve_args: Any, plugin_set: Any) -> Any:
+    """The engine in its own process (plugins load again there), or in a thread with --engine-in-thread."""
+    if serve_args.engine_in_thread:
+        return AsyncEngine(engine=Engine(server_args=server_args, plugin_set=plugin_set),
+                           max_queued_requests=serve_args.max_queued_requests)
+    return ProcessEngine(server_args, max_queued_requests=serve_args.max_queued_requests)
+
+
 def run_server(server_args: Any, serve_args: Any, plugin_set: Any) -> int:
-    engine = AsyncEngine(engine=Engine(server_args=server_args, plugin_set=plugin_set),
-                         max_queued_requests=serve_args.max_queued_requests)
+    engine = start_engine(server_args, serve_args, plugin_set)
     try:
         app = build_app(engine, serve_args)
-    except ValueError:  # a bad --chat-template
+    except BaseException:  # a bad --chat-template
         engine.shutdown()
         raise
     # uvicorn's own limit is a backstop only: the engine aborts what is left after shutdown_timeout.
@@ -56,6 +66,8 @@ def run_server(server_args: Any, serve_args: Any, plugin_set: Any) -> int:
     state = app.state.server
     print(f"backplane serve: model {state.model_name} on http://{serve_args.host}:{serve_args.port} "
           "(OpenAI API under /v1)", flush=True)
-    DrainingServer(config, state, serve_args.shutdown_timeout).run()
-    engine.shutdown()
+    try:
+        DrainingServer(config, state, serve_args.shutdown_timeout).run()
+    finally:
+        engine.shutdown()
     return 0

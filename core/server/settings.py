@@ -29,3 +29,6 @@ class ServeArgs(BaseSettings):
     max_request_bytes: int = Field(1 << 20, ge=1, description="largest request body; larger gets 413")
     shutdown_timeout: float = Field(
         5.0, ge=0, description="seconds in-flight requests may finish after SIGTERM before they are aborted")
+    engine_in_thread: bool = Field(
+        False, description="run the engine in a thread of the server process instead of a process of its "
+                           "own (the two then share one GIL: lower throughput under load)")
