@@ -31,4 +31,4 @@ class ServeArgs(BaseSettings):
         5.0, ge=0, description="seconds in-flight requests may finish after SIGTERM before they are aborted")
     engine_in_thread: bool = Field(
         False, description="run the engine in a thread of the server process instead of a process of its "
-                           "own (the two then share one GIL: lower throughput under load)")
+                           "own (the two then share one GIL; which is faster on a GPU is not yet measured)")
