@@ -55,14 +55,8 @@ class LoraMirror:
             return
         if self.manager is None:
             raise RuntimeError("tensor-parallel worker: rank 0 sent a LoRA batch, but this rank has no LoRA manager")
-        manager = self.manager
-        changed = False
         for name, slot in msg.slot_of.items():
             if self.resident.get(slot) != name:
-                manager._load_slot(name, slot)  # NOTE: the manager's own loader (shards A/B per rank)
+                self.manager.mirror_slot(name, slot)  # the manager's own loader: this rank's shards
                 self.resident[slot] = name
-                changed = True
-        if changed:
-            for info in (manager.info, manager.graph_info):
-                info.set_slots_(manager.ranks, manager.scalings)
-        batch.lora_info = manager.info.update_(msg.seg_lens, msg.slots)
+        batch.lora_info = self.manager.batch_info_for(msg.seg_lens, msg.slots)

@@ -150,6 +150,17 @@ class LoraManager:
             layer.load_slot(slot, [adapter.weights.get((layer.layer_id, p)) for p in layer.projections])
         self.ranks[slot], self.scalings[slot] = adapter.rank, adapter.scaling
 
+    def mirror_slot(self, name: str, slot: int) -> None:
+        """A tensor-parallel worker: load adapter `name` into `slot` as rank 0 did (this rank's
+        shards of A/B), and refresh both batch infos' rank and scaling tables."""
+        self._load_slot(name, slot)
+        for info in (self.info, self.graph_info):
+            info.set_slots_(self.ranks, self.scalings)
+
+    def batch_info_for(self, seg_lens: list[int], slots: list[int]) -> LoraBatchInfo:
+        """The eager batch info for segments decided elsewhere (a worker mirroring rank 0)."""
+        return self.info.update_(seg_lens, slots)
+
     def resident_slots(self) -> dict[str, int]:
         """Adapter name -> the slot it is loaded in (what tensor-parallel workers mirror)."""
         return dict(self.pool.slot_of)
