@@ -68,17 +68,13 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
     """
     device = req_pool.req_to_token.device
     n, bs = len(input_ids), len(reqs)
-    counts = extend if extend is not None else [1] * bs
-    token_rows = [req.row for req, c in zip(reqs, counts) for _ in range(c)]
-    host = torch.empty(4 * n + 2 * bs, dtype=torch.int64)
-    host[:n] = torch.tensor(input_ids, dtype=torch.int64)
-    host[n:2 * n] = torch.tensor(positions, dtype=torch.int64)
-    host[2 * n:3 * n] = out_cache_loc
-    host[3 * n:4 * n] = torch.tensor(token_rows, dtype=torch.int64)
-    host[4 * n:4 * n + bs] = torch.tensor([req.row for req in reqs], dtype=torch.int64)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-    host[4 * n + bs:] = seq_lens_cpu
+    rows = [req.row for req in reqs]
+    token_rows = rows if extend is None else [row for row, c in zip(rows, extend) for _ in range(c)]
+    # [input ids | positions | KV slots | each token's request row] (n each), [rows | seq lens] (bs each)
+    host = torch.tensor(input_ids + list(positions) + out_cache_loc.tolist() + token_rows + rows + seq_lens,
+                        dtype=torch.int64)
     packed = host.to(device, non_blocking=True)
+    seq_lens_cpu = host[4 * n + bs:].to(torch.int32)
     positions_d, loc_d = packed[n:2 * n], packed[2 * n:3 * n]
     req_pool.req_to_token[packed[3 * n:4 * n], positions_d] = loc_d.to(torch.int32)
     batch = ForwardBatch(
