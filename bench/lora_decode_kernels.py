@@ -7,10 +7,14 @@ a decode graph); on CPU one wall-clock call (only the code path is exercised the
 
 from __future__ import annotations
 
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import time_graph  # noqa: E402  (bench/timing.py)
 
 PEAK_BYTES_PER_S = 4.30e12  # measured device-to-device copy on the H200 machine
 
@@ -32,25 +36,7 @@ def time_us(fn, device: torch.device, reps_in_graph: int = 20, replays: int = 30
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps_in_graph):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps_in_graph)
-    return statistics.median(times)
+    return time_graph(fn, reps_in_graph, replays)
 
 
 class Group:

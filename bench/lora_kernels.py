@@ -11,15 +11,19 @@ base GEMMs of the same projections at T=32. Also sweeps a few launch settings.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
-import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from backplane.lora.base import LoraBackendContext
 from backplane.lora.batch_info import LoraBatchInfo
 from backplane.lora.torch_native import TorchNativeLoraBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import time_graph  # noqa: E402  (bench/timing.py)
 
 PEAK_BYTES_PER_S = 4.30e12  # measured device-to-device copy on the H200 machine
 HIDDEN, INTER, N_Q, N_KV = 2048, 8192, 32 * 64, 8 * 64
@@ -52,29 +56,6 @@ def make_batch(num_adapters: int, per_adapter: int, layout: str, rank: int) -> L
     ranks = [0] + [rank] * num_adapters
     scalings = [0.0] + [2.0] * num_adapters
     return LoraBatchInfo.from_segments([1] * len(slots), slots, ranks, scalings, DEVICE)
-
-
-def time_graph(fn, reps_in_graph: int = 20, replays: int = 50) -> float:
-    """Median microseconds of one fn() call, from replays of a graph holding reps_in_graph calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps_in_graph):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps_in_graph)
-    return statistics.median(times)
 
 
 class Projection:

@@ -13,10 +13,11 @@ the triton time, against the 4.30 TB/s measured copy ceiling.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,6 +25,9 @@ import torch
 from backplane.ops import native
 from backplane.ops.rope import build_cos_sin_cache
 from backplane.plugins.ops_triton import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import time_graph  # noqa: E402  (bench/timing.py)
 
 PEAK_BYTES_PER_S = 4.30e12
 HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
@@ -42,29 +46,6 @@ class Row:
     triton_eager_us: float
     native_eager_us: float
     gbps: float
-
-
-def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int = 50) -> float:
-    """Median microseconds of one fn() call, from replays of a graph holding reps_in_graph calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps_in_graph):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps_in_graph)
-    return statistics.median(times)
 
 
 def time_eager(fn: Callable[[], object], calls: int = 200) -> float:

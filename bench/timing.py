@@ -1,0 +1,32 @@
+"""GPU timing shared by the kernel benchmarks: a function's median time from CUDA-graph replays."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int = 50) -> float:
+    """Median microseconds of one fn() call, from replays of a graph holding reps_in_graph calls
+    (warmed up on a side stream first, so lazy initialisation stays out of the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps_in_graph):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / reps_in_graph)
+    return statistics.median(times)
