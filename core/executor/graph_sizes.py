@@ -26,7 +26,9 @@ def capture_batch_sizes(args: Any, req_pool_size: int) -> tuple[list[int], list[
     if args.cuda_graph_bs:
         sizes = list(args.cuda_graph_bs)
     else:
-        ladder = [1, 2, 4] + list(range(8, args.cuda_graph_max_bs + 1, 8))
+        # The ladder runs to 160 (SGLang's) or further when --cuda-graph-max-bs asks for more;
+        # a smaller max only cuts it, so the pool-size sizes below still join under that max.
+        ladder = [1, 2, 4] + list(range(8, max(DEFAULT_SIZES[-1], args.cuda_graph_max_bs) + 1, 8))
         sizes = list(NO_PADDING_SIZES) if args.disable_cuda_graph_padding else ladder
         if max(sizes) > req_pool_size:
             sizes += [req_pool_size - 1, req_pool_size]

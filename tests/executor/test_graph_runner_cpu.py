@@ -47,6 +47,8 @@ def test_max_bs_extends_the_ladder_up_to_the_pool():
 def test_small_pool_adds_pool_size_and_pool_size_minus_one():
     assert capture_batch_sizes(flags(), 30)[0] == [1, 2, 4, 8, 16, 24, 29, 30]
     assert capture_batch_sizes(flags(), 8)[0] == [1, 2, 4, 7, 8]
+    # A max that only cuts the ladder keeps the pool sizes (the GPU graph test's engine: 48 and 48).
+    assert capture_batch_sizes(flags(cuda_graph_max_bs=48), 48)[0] == [1, 2, 4, 8, 16, 24, 32, 40, 47, 48]
 
 
 def test_explicit_sizes_win_but_are_still_cut():
