@@ -28,10 +28,12 @@
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
 # and benchmarks.png under $OUT; prints a short table last. TEST_GROUPS="tests-flashinfer ..." runs
 # only those test groups.
-# On a cold machine FlashInfer's JIT builds make `tests` longer than one call (2026-12-04: the
-# conformance and model-spec groups hit 400 s with 0 failures): run it in two calls,
-#   TEST_GROUPS="tests-flashinfer tests-model-spec" TEST_LIMIT=540 bench/gpu_suite.sh tests
-#   TEST_GROUPS="tests-conformance tests-triton-graphs-lora" TEST_LIMIT=480 bench/gpu_suite.sh tests
+# On a cold machine FlashInfer's JIT builds make `tests` longer than one call (2026-12-04, all
+# groups at once with a 430 s limit: every group but graph memory hit the limit). Run it in two
+# calls made back to back (the machine goes cold after 30 s idle, and the JIT cache with it):
+#   TEST_GROUPS="tests-flashinfer tests-model-spec tests-ops" TEST_LIMIT=520 bench/gpu_suite.sh tests
+#   TEST_GROUPS="tests-conformance tests-triton-graphs-lora" TEST_LIMIT=440 bench/gpu_suite.sh tests
+# bench/gpu_batch.sh runs several parts in one call and brings their files back as one archive.
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
@@ -58,7 +60,8 @@ run_tests() {
     [tests-flashinfer]="tests/gpu/test_attention_flashinfer_gpu.py"
     [tests-conformance]="tests/gpu/test_conformance_gpu.py"
     [tests-model-spec]="tests/gpu/test_model_backends_gpu.py tests/gpu/test_spec_gpu.py"
-    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_ops_triton_gpu.py tests/ops/test_ops.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
+    [tests-triton-graphs-lora]="tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_lora_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_prefix_cache_gpu.py tests/models/test_models_vs_hf.py tests/distributed/test_tp.py"
+    [tests-ops]="tests/gpu/test_ops_triton_gpu.py tests/ops/test_ops.py"
   )
   # Tests that measure graph memory read the device's free memory: they run alone, afterwards.
   local serial="share_the_pool or shares_the_pool"
