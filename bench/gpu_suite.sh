@@ -16,7 +16,8 @@
 #                                 side), the draft pool test, then bench/spec.py with its phase timing
 #   bench/gpu_suite.sh prefix-cache  bench/prefix_cache.py (radix cache on/off; llama-3.2-1b, llama-3.1-8b)
 #   bench/gpu_suite.sh http       bench/serving.py: `backplane serve` (llama-3.2-1b, triton, graphs) at Poisson
-#                                 rates 1/4/16/inf over streamed HTTP, against the offline Engine (issue 21)
+#                                 rates 1/4/16/inf over streamed HTTP, against the offline Engine (issue 21);
+#                                 HTTP_THREAD=1 also runs rates 1/inf with --engine-in-thread
 #   bench/gpu_suite.sh matrix     tests/gpu/test_combinations_gpu.py (every plugin combination, issue 19) in
 #                                 MATRIX_SHARDS (3) parallel shards, then the merged summary (matrix.json)
 #   bench/gpu_suite.sh compile    bench/compile_speed.py: graphs with and without --enable-torch-compile (1B,
@@ -131,6 +132,10 @@ case "$what" in
     if python3 -c 'import fastapi, uvicorn, prometheus_client, httpx' 2>/dev/null; then
       TAIL=12 step serving-http 300 python3 bench/serving.py --model llama-3.2-1b --out "$out/serving.json" \
         -- --attention-backend triton
+      if [ -n "${HTTP_THREAD:-}" ]; then  # the same server with the engine loop in a thread, beside it
+        BACKPLANE_ENGINE_IN_THREAD=1 TAIL=8 step serving-http-thread 240 python3 bench/serving.py \
+          --model llama-3.2-1b --request-rates 1,inf --out "$out/serving-thread.json" -- --attention-backend triton
+      fi
     else
       status=1; summary+=("serving-http: fastapi/uvicorn/prometheus-client/httpx missing from .device/site.tar.xz; rebuild it with ../shared/device/make-site.sh fastapi uvicorn prometheus-client httpx")
     fi ;;
