@@ -34,7 +34,11 @@
 # calls made back to back (the machine goes cold after 30 s idle, and the JIT cache with it):
 #   TEST_GROUPS="tests-flashinfer tests-model-spec tests-ops" TEST_LIMIT=520 bench/gpu_suite.sh tests
 #   TEST_GROUPS="tests-conformance tests-triton-graphs-lora" TEST_LIMIT=440 bench/gpu_suite.sh tests
-# bench/gpu_batch.sh runs several parts in one call and brings their files back as one archive.
+# bench/gpu_batch.sh runs several parts in one call and brings their files back as one archive;
+# with SAVE_FLASHINFER_AOT=1 it also brings back the FlashInfer modules the machine JIT-built
+# (flashinfer-aot.tar.xz.part-*). Put those in .device/ and the next machine loads them prebuilt
+# (bench/device_env.sh), skipping the JIT; the carry limit (64 MiB with the 21 MB site archive)
+# bounds how many fit.
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
