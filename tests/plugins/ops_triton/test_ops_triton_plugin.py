@@ -45,14 +45,12 @@ def test_registered_on_both_platforms_compile_safe(impls):
 
 def test_cuda_picks_triton_by_priority(impls, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    # Until the GPU suite has run the kernels their cuda priority stays below native's; the
-    # selection rule under test is the one that applies once it is raised above it.
-    ranked = [dataclasses.replace(i, priority=50) if i.name == "triton" else i for i in impls]
-    ops = resolve_custom_ops(ranked, "cuda", {})
+    ops = resolve_custom_ops(impls, "cuda", {})
     assert {op: ops.chosen[op] for op in TRITON_OPS} == {op: "triton" for op in TRITON_OPS}
-    if CUDA_PRIORITY < 0:
-        assert resolve_custom_ops(impls, "cuda", {}).chosen["rms_norm"] == "native"
-        assert resolve_custom_ops(impls, "cuda", {"rms_norm": "triton"}).chosen["rms_norm"] == "triton"
+    # a plugin ranked below native runs only when named
+    low = [dataclasses.replace(i, priority=-10) if i.name == "triton" else i for i in impls]
+    assert resolve_custom_ops(low, "cuda", {}).chosen["rms_norm"] == "native"
+    assert resolve_custom_ops(low, "cuda", {"rms_norm": "triton"}).chosen["rms_norm"] == "triton"
     assert ops.chosen["gelu"] == "native"
     assert ops.rms_norm is triton_ops.rms_norm and "rms_norm" in ops.compile_safe
     assert resolve_custom_ops(impls, "cuda", {"rms_norm": "native"}).chosen["rms_norm"] == "native"
