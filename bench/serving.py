@@ -26,6 +26,7 @@ Targets (issue 21, llama-3.2-1b on the GPU): saturation (HTTP tok/s at `inf` / o
 --base-url targets a server already running (on the same GPU the offline Engine then competes for
 its memory: lower that server's --mem-fraction-static, or pass --no-offline). JSON to --out, a PNG
 to --plot (default: --out with .png; skipped with a note when matplotlib is missing), a table last.
+--replot REPORT.json redraws a stored report's plot (and table) where matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out", default=None, help="JSON report")
     p.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only draw the plot and print the table of a stored report (no server, no GPU)")
     ns = p.parse_args(argv)
     ns.engine_args = engine_args
     ns.rates = [float(r) for r in ns.request_rates.split(",")]
@@ -320,6 +323,11 @@ def plot(report: dict, path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.replot:
+        report = json.loads(Path(ns.replot).read_text())
+        print(plot(report, Path(ns.plot) if ns.plot else Path(ns.replot).with_suffix(".png")))
+        print(table(report["rates"], report["offline"], report["targets"]))
+        return 0
     missing = missing_dependencies()
     if missing:
         print(f"bench/serving.py: needs {', '.join(missing)} (the serve extra and httpx), not importable here; "

@@ -79,3 +79,16 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
         assert out.with_suffix(".png").stat().st_size > 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("TTFT at rate 4") and table[-2].startswith("saturation")
+
+
+def test_replot_redraws_a_stored_report_without_a_server(tmp_path, capsys):
+    stored = Path(__file__).parents[2] / "docs" / "results" / "serving-1b.json"
+    png = tmp_path / "replot.png"
+    assert serving.main(["--replot", str(stored), "--plot", str(png)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert lines[0] == f"wrote {png}" and png.stat().st_size > 0
+    else:
+        assert lines[0] == "plot: matplotlib is not installed, skipped"
+    report = json.loads(stored.read_text())
+    assert lines[-2].startswith("saturation") and f"{report['targets']['saturation']['ratio']:.2f}" in lines[-2]
