@@ -183,8 +183,11 @@ case "$what" in
     test_summary ops-tests $?
     TAIL=40 step ops-bench 240 python3 bench/ops.py --out "$out/ops.json" ;;
   compile)
+    # Alternating repeats (COMPILE_REPEATS, 2) of both settings: on a cold machine one backend per call
+    # (COMPILE_BACKENDS=triton, then flashinfer) fits the limit.
     TAIL=12 step compile-speed 560 python3 bench/compile_speed.py --model llama-3.2-1b \
-      ${COMPILE_BACKENDS:+--backends $COMPILE_BACKENDS} --out "$out/compile_speed.json" ;;
+      --repeats "${COMPILE_REPEATS:-2}" ${COMPILE_BACKENDS:+--backends $COMPILE_BACKENDS} \
+      --out "$out/compile_speed.json" ;;
   plot) plot ;;
   tests|kernels|serving|matrix) ;;
   *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, ops, compile, plot or all)"; exit 2 ;;
