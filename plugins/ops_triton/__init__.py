@@ -6,8 +6,9 @@ ops (100), so where FlashInfer is installed only the ops it lacks (`rotary_kv_wr
 They rose from -10 (named only) once `bench/gpu_suite.sh ops` had passed on an H200 (2026-12-04:
 169 GPU tests; 2-20x faster than native in a graph, see docs/performance.md). On CPU they run only
 under TRITON_INTERPRET=1 and only when asked for (`--custom-ops rms_norm=triton`): their CPU
-priority is below native's, so nothing picks them by itself. Every op is a torch.library op, declared compile-safe: under `--enable-torch-compile`
-it stays one opaque call in the compiled graph instead of being replaced by native.
+priority is below native's, so nothing picks them by itself. Every op is a torch.library op,
+declared compile-safe: under `--enable-torch-compile` it stays one opaque call in the compiled
+graph instead of being replaced by native.
 """
 
 from __future__ import annotations
