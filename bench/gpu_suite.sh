@@ -12,6 +12,11 @@
 #   bench/gpu_suite.sh lora-fused the LoRA GPU tests (conformance with the fused decode kernel in graphs,
 #                                 hidden states against the PEFT-merged models), then bench/lora_decode.py
 #                                 (issue 23: steps at bs 1/8/32, ranks 16/64, kernels against the floor)
+#   bench/gpu_suite.sh lora-tune  bench/lora_decode.py --tune: every launch setting of the fused LoRA kernel
+#                                 per projection group, rank and token bucket, the fastest written as the
+#                                 plugin's tuned table ($OUT/lora_triton_configs.json: copy it to
+#                                 plugins/lora_triton/configs/<GPU name>.json), then the steps and kernels
+#                                 measured with it, the read model's launches beside, and a bs-1 profile
 #   bench/gpu_suite.sh spec       the EAGLE and attention-graph GPU tests (triton and flashinfer side by
 #                                 side), the draft pool test, then bench/spec.py with its phase timing
 #   bench/gpu_suite.sh prefix-cache  bench/prefix_cache.py (radix cache on/off; llama-3.2-1b, llama-3.1-8b)
@@ -166,6 +171,9 @@ case "$what" in
       tests/gpu/test_lora_triton_gpu.py > "$out/lora-fused-tests.log" 2>&1
     test_summary lora-fused-tests $?
     TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
+  lora-tune)
+    TAIL=60 step lora_tune 560 python3 bench/lora_decode.py --no-sweep --profile \
+      --tune "$out/lora_triton_configs.json" --out "$out/lora_decode.json" ;;
   matrix)
     shards=${MATRIX_SHARDS:-3}
     pids=()
@@ -190,7 +198,7 @@ case "$what" in
       --out "$out/compile_speed.json" ;;
   plot) plot ;;
   tests|kernels|serving|matrix) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, matrix, ops, compile, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, lora-tune, matrix, ops, compile, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"

@@ -34,9 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import write_dummy_adapter  # noqa: E402  (bench/lora.py)
-from lora_decode_kernels import kernel_report, sweep_fused  # noqa: E402
+import lora_decode_kernels  # noqa: E402
+from lora_decode_kernels import kernel_report, sweep_fused, tune_fused  # noqa: E402
 
 TARGETS = {"lora": 1.15, "lora-off": 1.03, "kernels_vs_floor": 4.0}
+PROFILES: dict[int, dict] = {}  # batch size -> profile_steps' report (--profile)
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +54,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's launch-setting sweep")
     p.add_argument("--threshold-tokens", type=int, default=64,
                    help="also time fused vs segmented here (the fused path's limit), first rank")
+    p.add_argument("--tune", metavar="TABLE.json", default=None,
+                   help="first time every launch setting of the fused kernel at --batch-sizes x --ranks, write "
+                        "the fastest as a tuned table here (plugins/lora_triton/tuned.py), then measure with it")
+    p.add_argument("--configs", metavar="TABLE.json", default=None,
+                   help="the tuned table the runners and kernels use (default: the plugin's bundled one for this GPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over the steps at the smallest batch size: each variant's kernels per step")
     p.add_argument("--out", default=None, help="write the JSON report here")
     return p.parse_args()
 
@@ -71,7 +80,8 @@ def build_runner(ns, lora_paths: list[str], rank: int):
                   max_total_tokens=2 * max_bs * (ns.input_len + ns.rounds * ns.steps + 16),
                   chunked_prefill_size=max(max_bs * ns.input_len, 8192), lora_paths=lora_paths,
                   lora_backend="triton", max_loras_per_batch=ns.adapters, max_lora_rank=rank)
-    runner = ModelRunner(build_server_args(kwargs, plugin_set.settings_groups(), None), plugin_set)
+    options = {"triton-lora": {"configs": ns.configs}} if ns.configs else None
+    runner = ModelRunner(build_server_args(kwargs, plugin_set.settings_groups(), options), plugin_set)
     manager = attach_lora(runner)
     runner.init_cuda_graphs()
     if cuda and runner.graph_runner is None:
@@ -143,6 +153,7 @@ def time_steps(ns, runners: dict, bs: int) -> dict:
     for rank in ns.ranks:
         sessions[f"lora-r{rank}"] = Session(*runners[f"r{rank}"], names, ns.input_len)
     times = {name: [] for name in sessions}
+    profile = None
     try:
         for s in sessions.values():  # warm-up
             for _ in range(3):
@@ -152,15 +163,52 @@ def time_steps(ns, runners: dict, bs: int) -> dict:
         for _ in range(ns.rounds):
             for name, s in sessions.items():
                 times[name] += [s.step() for _ in range(ns.steps)]
+        if ns.profile and bs == min(ns.batch_sizes):
+            profile = profile_steps(sessions, ns.steps)
     finally:
         gc.enable()
         for s in sessions.values():
             s.close()
     base = statistics.median(times["base"])
+    if profile is not None:
+        PROFILES[bs] = profile
     return {name: {"step_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3,
                    "x_base": statistics.median(t) / base, "prepare_ms": statistics.median(sessions[name].prep) * 1e3,
                    "graphs": sorted(sessions[name].keys)}
             for name, t in times.items()}
+
+
+def profile_steps(sessions: dict, steps: int) -> dict:
+    """Per variant: device kernel time and launches per step, and its kernels by total time
+    (torch.profiler; CUDA graph replays show their kernels one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = next(iter(sessions.values())).runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    report = {}
+    for name, session in sessions.items():
+        with profile(activities=activities) as prof:
+            wall = sum(session.step() for _ in range(steps))
+        kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        rows = sorted(((e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / steps, e.count / steps)
+                       for e in kernels), key=lambda r: -r[1])
+        report[name] = {"wall_ms": wall * 1e3 / steps, "kernel_ms": sum(r[1] for r in rows),
+                        "launches": sum(r[2] for r in rows), "kernels": [list(r) for r in rows[:40]]}
+    return report
+
+
+def format_profile(profile: dict, bs: int) -> list[str]:
+    lines = [f"profile at bs {bs}, per step: wall ms | device kernel ms | kernel launches"]
+    for name, p in profile.items():
+        lines.append(f"  {name:<9} {p['wall_ms']:7.3f} {p['kernel_ms']:7.3f} {p['launches']:6.0f}")
+    base = {k: (ms, n) for k, ms, n in profile["base"]["kernels"]}
+    for name, p in profile.items():
+        if name == "base":
+            continue
+        extra = [(k, ms - base.get(k, (0.0, 0))[0], n - base.get(k, (0.0, 0))[1]) for k, ms, n in p["kernels"]]
+        extra = sorted((e for e in extra if e[1] > 0.005), key=lambda e: -e[1])[:6]
+        lines.append(f"  {name} beyond base: " + "; ".join(f"{k[:48]} +{ms:.3f} ms (+{n:.0f})" for k, ms, n in extra))
+    return lines
 
 
 def measure_steps(ns) -> dict:
@@ -209,11 +257,14 @@ def format_tables(report: dict) -> str:
                          f"{row['prepare_ms']:7.3f}  {', '.join(row['graphs'])}")
             if report["device_kind"] == "cuda" and "eager" in row["graphs"]:
                 lines.append(f"    WARNING: some {name} steps at bs {bs} ran eagerly (no captured graph)")
-    lines += ["", "LoRA kernels per layer (us): fused decode kernel | segmented kernels | read floor",
-              f"{'T':>3} {'rank':>4} {'fused':>7} {'segm.':>7} {'floor':>6} {'fused/floor':>11} {'one graph':>9}"]
+    tuned = any(g["tuned"] for row in report["kernels"] for g in row["groups"].values())
+    lines += ["", "LoRA kernels per layer (us): fused decode kernel (" + ("tuned table" if tuned else "no tuned table")
+              + ") | the same with the read model's launches | segmented kernels | read floor",
+              f"{'T':>3} {'rank':>4} {'fused':>7} {'model':>7} {'segm.':>7} {'floor':>6} {'fused/floor':>11} {'one graph':>9}"]
     for row in report["kernels"]:
-        lines.append(f"{row['tokens']:>3} {row['rank']:>4} {row['fused_us']:7.2f} {row['segmented_us']:7.2f} "
-                     f"{row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} {row['layer_graph_us']:9.2f}")
+        lines.append(f"{row['tokens']:>3} {row['rank']:>4} {row['fused_us']:7.2f} {row['fused_automatic_us']:7.2f} "
+                     f"{row['segmented_us']:7.2f} {row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} "
+                     f"{row['layer_graph_us']:9.2f}")
     th = report["threshold"]
     lines.append(f"at the fused path's limit, T {th['tokens']} rank {th['rank']}: fused {th['fused_us']:.2f} us, "
                  f"segmented {th['segmented_us']:.2f} us per layer")
@@ -222,6 +273,8 @@ def format_tables(report: dict) -> str:
         auto = next(r for r in report["kernels"] if (r["tokens"], r["rank"]) == (best["tokens"], best["rank"]))
         lines.append(f"fused launch sweep at T {best['tokens']}: best {best['config']} {best['fused_us']:.2f} us per "
                      f"layer (automatic: {auto['fused_us']:.2f} us)")
+    for bs, profile in report.get("profile", {}).items():
+        lines += [""] + format_profile(profile, int(bs))
     return "\n".join(lines + [""] + verdicts(report))
 
 
@@ -233,12 +286,19 @@ def main() -> int:
     report = {"model": ns.model, "adapters": ns.adapters, "device_kind": device.type,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(ns)}
     torch.manual_seed(0)
+    if ns.tune:
+        table = tune_fused(ns.model, ns.ranks, sorted(ns.batch_sizes), ns.adapters, device)
+        Path(ns.tune).write_text(json.dumps(table, indent=2))
+        report["tuned"] = table
+        ns.configs = ns.tune
+    lora_decode_kernels.TUNED_CONFIGS[0] = ns.configs
     report["kernels"] = [kernel_report(ns.model, rank, tokens, ns.adapters, device)
                          for rank in ns.ranks for tokens in ns.batch_sizes]
     report["threshold"] = kernel_report(ns.model, ns.ranks[0], ns.threshold_tokens, ns.adapters, device)
     if not ns.no_sweep:
         report["sweep"] = sweep_fused(ns.model, ns.ranks[0], max(ns.batch_sizes), ns.adapters, device)
     report["steps"] = measure_steps(ns)
+    report["profile"] = {str(bs): p for bs, p in PROFILES.items()}
     table = format_tables(report)
     if ns.out:
         Path(ns.out).write_text(json.dumps(report, indent=2))

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import time_graph  # noqa: E402  (bench/timing.py)
 
 PEAK_BYTES_PER_S = 4.30e12  # measured device-to-device copy on the H200 machine
+TUNED_CONFIGS: list[str | None] = [None]  # the table the kernel timings use (None: the bundled one, if any)
 
 
 def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
@@ -75,43 +76,117 @@ def _setup(model: str, rank: int, tokens: int, num_adapters: int, device: torch.
     return info, ctx, groups, len(set(slots))
 
 
-def _backend(ctx, info, **tuning):
-    from backplane.plugins.lora_triton.backend import TritonLoraBackend, Tuning
+def _backend(ctx, info, use_table: bool = True, **tuning):
+    """A triton backend for `info`; use_table=False ignores the tuned table (the read model decides)."""
+    import dataclasses
 
-    backend = TritonLoraBackend(ctx, Tuning(**tuning))
+    from backplane.plugins.lora_triton.backend import TritonLoraBackend, Tuning
+    from backplane.plugins.lora_triton.options import TritonLoraOptions
+
+    options = TritonLoraOptions(configs=TUNED_CONFIGS[0], tuned=use_table)
+    backend = TritonLoraBackend(dataclasses.replace(ctx, options=options), Tuning(**tuning))
     backend.prepare_batch(info)
     return backend
 
 
-def _check(group: Group, backend, ctx, info) -> None:
-    """The fused result against torch_native (bf16 tolerance): a fast wrong kernel is no result."""
+def _reference(group: Group, ctx, info) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base output, torch_native's result on it) for `group`."""
     from backplane.lora.torch_native import TorchNativeLoraBackend
 
     native = TorchNativeLoraBackend(ctx)
     native.prepare_batch(info)
     base = torch.randn_like(group.out)
     group.out.copy_(base)
-    want = group.lora(native).float().clone()
+    return base, group.lora(native).float().clone()
+
+
+def _check_against(group: Group, backend, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The backend's result against torch_native's (bf16 tolerance): a fast wrong kernel is no result."""
+    base, want = reference
     group.out.copy_(base)
     got = group.lora(backend).float()
     torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+
+
+def _check(group: Group, backend, ctx, info) -> None:
+    _check_against(group, backend, _reference(group, ctx, info))
 
 
 def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device) -> dict:
     """Per layer at `tokens` decode tokens: fused and segmented LoRA time, the read floor, per group."""
     info, ctx, groups, distinct = _setup(model, rank, tokens, num_adapters, device)
     fused, segmented = _backend(ctx, info), _backend(ctx, info, fused_max_tokens=0)
+    automatic = _backend(ctx, info, use_table=False)  # the read model's launches, for comparison
     per_group = {}
     for name, group in groups.items():
         _check(group, fused, ctx, info)
         per_group[name] = {"fused_us": time_us(lambda g=group: g.lora(fused), device),
+                           "fused_automatic_us": time_us(lambda g=group: g.lora(automatic), device),
                            "segmented_us": time_us(lambda g=group: g.lora(segmented), device),
-                           "floor_us": group.bytes_per_adapter() * distinct / PEAK_BYTES_PER_S * 1e6}
-    totals = {key: sum(g[key] for g in per_group.values()) for key in ("fused_us", "segmented_us", "floor_us")}
+                           "floor_us": group.bytes_per_adapter() * distinct / PEAK_BYTES_PER_S * 1e6,
+                           "tuned": len(fused.tuned) > 0}
+    keys = ("fused_us", "fused_automatic_us", "segmented_us", "floor_us")
+    totals = {key: sum(g[key] for g in per_group.values()) for key in keys}
     layer_graph = time_us(lambda: [g.lora(fused) for g in groups.values()], device)
     return {"rank": rank, "tokens": tokens, "distinct_adapters": distinct, **totals,
             "fused_vs_floor": totals["fused_us"] / totals["floor_us"], "layer_graph_us": layer_graph,
             "groups": per_group}
+
+
+def tune_fused(model: str, ranks: list[int], token_counts: list[int], num_adapters: int, device: torch.device,
+               spans=(128, 256, 512, 1024, 2048), splits=(1, 2, 4, 8, 16), warps=(2, 4, 8)) -> dict:
+    """Every launch setting the fused kernel's buffers allow, per projection group, rank and token
+    count: each result checked against torch_native, the fastest kept. Returns the tuned table
+    (plugins/lora_triton/tuned.py's JSON) with the automatic setting's time beside each entry."""
+    import triton
+
+    from backplane.plugins.lora_triton.fused import MAX_GROUPS, MIN_SPLIT_K, FusedConfig, tile_sizes
+
+    entries = []
+    for rank in ranks:
+        for tokens in token_counts:
+            info, ctx, groups, _ = _setup(model, rank, tokens, num_adapters, device)
+            auto = _backend(ctx, info, fused_config=FusedConfig(), use_table=False)
+            for name, group in groups.items():
+                k, widths = group.x.shape[1], [hi - lo for lo, hi in zip(group.offsets, group.offsets[1:])]
+                want = _reference(group, ctx, info)
+                best = None
+                for split_k in splits:
+                    if split_k > 1 and k // split_k < MIN_SPLIT_K:
+                        continue
+                    for span in spans:
+                        if split_k > 1 and split_k * sum(triton.cdiv(w, span) for w in widths) > MAX_GROUPS:
+                            continue
+                        for num_warps in warps:
+                            config = FusedConfig(span=span, split_k=split_k, num_warps=num_warps)
+                            backend = _backend(ctx, info, fused_config=config)
+                            _check_against(group, backend, want)
+                            us = time_us(lambda g=group, b=backend: g.lora(b), device)
+                            if best is None or us < best[0]:
+                                best = (us, config)
+                auto_us = time_us(lambda g=group, b=auto: g.lora(b), device)
+                block_t, block_r = tile_sizes(tokens, rank)
+                us, config = best
+                entries.append({"group": name, "tokens": tokens, "rank": rank, "k": k, "widths": widths,
+                                "block_r": block_r, "block_t": block_t, "span": config.span,
+                                "split_k": config.split_k, "num_warps": config.num_warps, "us": us,
+                                "automatic_us": auto_us})
+                print(f"tune: {name:<7} T {tokens:>2} rank {rank:>2}: span {config.span:>4} split_k {config.split_k:>2} "
+                      f"warps {config.num_warps} {us:7.2f} us (automatic {auto_us:7.2f} us)", flush=True)
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "triton": triton.__version__, "dtype": str(groups["qkv"].x.dtype).removeprefix("torch."),
+            "model": model, "adapters": num_adapters, "entries": _one_per_bucket(entries)}
+
+
+def _one_per_bucket(entries: list[dict]) -> list[dict]:
+    """Token counts that pad to one block_t share a table entry: keep the one measured at the most
+    tokens (the bucket's worst case)."""
+    kept: dict[tuple, dict] = {}
+    for e in entries:
+        key = (e["k"], tuple(e["widths"]), e["block_r"], e["block_t"])
+        if key not in kept or e["tokens"] > kept[key]["tokens"]:
+            kept[key] = e
+    return list(kept.values())
 
 
 def sweep_fused(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device) -> list[dict]:

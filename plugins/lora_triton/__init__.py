@@ -51,3 +51,10 @@ def backplane_register_lora_backends(register):
             install_hint="pip install triton",
         )
     )
+
+
+@hookimpl
+def backplane_register_settings(register):
+    from backplane.plugins.lora_triton.options import TritonLoraOptions
+
+    register("triton-lora", TritonLoraOptions)

@@ -21,8 +21,8 @@ import triton
 
 from backplane.lora import LoraBackend, LoraBackendContext, host_offsets
 from backplane.lora import LoraBatchInfo
-from backplane.plugins.lora_triton import fused, kernels
-from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, FusedBuffers, FusedConfig
+from backplane.plugins.lora_triton import fused, kernels, tuned
+from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, MAX_GROUPS, FusedBuffers, FusedConfig
 from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 
 
@@ -34,7 +34,7 @@ class Tuning:
     shrink_block_k: int | None = None
     shrink_split_k: int | None = None
     expand_block_n: int | None = None
-    fused_config: FusedConfig = FusedConfig()
+    fused_config: FusedConfig = FusedConfig()  # set: every fused launch uses it, over the tuned table
     fused_max_tokens: int = FUSED_MAX_TOKENS  # 0: never fuse
 
 
@@ -62,6 +62,11 @@ class TritonLoraBackend(LoraBackend):
         self._graph_key: Any = None  # the graph whose metadata was bound last
         self._split_keys: set[Any] = set()  # graphs whose capture ran the separate products
         self._fused_buffers: list[FusedBuffers] = []  # the last one is used; older ones stay alive
+        options = ctx.options
+        use_table = getattr(options, "tuned", True) and self.tuning.fused_config == FusedConfig()
+        self.tuned = tuned.table_for(ctx.device, getattr(options, "configs", None), MAX_GROUPS) if use_table \
+            else tuned.TunedTable()
+        self._launch_configs: dict[tuple, FusedConfig] = {}
 
     def _fuses(self, num_tokens: int) -> bool:
         return num_tokens <= min(self.tuning.fused_max_tokens, FUSED_MAX_TOKENS)
@@ -125,8 +130,25 @@ class TritonLoraBackend(LoraBackend):
             raise ValueError(f"apply_lora: expected weights for at most {info.num_slots} slots (the batch "
                              f"info's), got {b_weights.shape[0]}")
         buffers = self._buffers_for(b_weights.shape[0], b_weights.shape[2], x.device)
+        config = self.fused_config_for(x.shape, b_weights.shape[2], offsets)
         return fused.fused_shrink_expand(x, a_weights, b_weights, base_output, info.token_slots, info.ranks,
-                                         info.scalings, list(offsets), buffers, self.tuning.fused_config)
+                                         info.scalings, list(offsets), buffers, config)
+
+    def fused_config_for(self, x_shape: Sequence[int], r_max: int, offsets: Sequence[int]) -> FusedConfig:
+        """The fused launch's settings: Tuning's if set, else the tuned table's entry for this shape,
+        else automatic (the read model in fused.choose_split)."""
+        num_tokens, k = int(x_shape[0]), int(x_shape[1])
+        key = (num_tokens, k, r_max, tuple(offsets))
+        config = self._launch_configs.get(key)
+        if config is None:
+            config = self.tuning.fused_config
+            widths = tuple(hi - lo for lo, hi in zip(offsets, offsets[1:]))
+            block_t, block_r = fused.tile_sizes(num_tokens, r_max)
+            found = self.tuned.lookup(k, widths, block_r, block_t)
+            if found is not None and config == FusedConfig():
+                config = FusedConfig(span=found.span, split_k=found.split_k, num_warps=found.num_warps)
+            self._launch_configs[key] = config
+        return config
 
     def _buffers_for(self, num_slots: int, r_max: int, device: torch.device) -> FusedBuffers:
         """The fused kernel's workspace and locks; a larger set is made outside graph captures only,

@@ -33,14 +33,14 @@ FUSED_MAX_TOKENS = 64  # BLOCK_T rows per program; beyond this the segmented ker
 @triton.jit
 def _fused_kernel(
     x_ptr, a_ptr, b_ptr, out_ptr, token_slots_ptr, ranks_ptr, scalings_ptr, ws_ptr, locks_ptr,
-    num_tokens, K, r_max, off1, off2, off3, k_per_split,
+    num_tokens, K, r_max, off1, off2, off3, k_per_split, span,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_bs, stride_bn, stride_bk,
     stride_om, stride_on,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPAN: tl.constexpr, SPLIT_K: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # x: [T, K]; a: [num_slots, num_slices * r_max, K]; b: [num_slots, off3, r_max]; out: [T, off3].
-    # Slice j owns columns [off_j, off_j+1) (off0 = 0) and the cdiv(width_j, SPAN) consecutive
+    # Slice j owns columns [off_j, off_j+1) (off0 = 0) and the cdiv(width_j, span) consecutive
     # spans along axis 1 that cover them. Axis 2 splits the shrink's K: each split stores its
     # partial y in ws [num_slots, GROUPS (>= spans * SPLIT_K), BLOCK_T, BLOCK_R] float32 at
     # (slot, span * SPLIT_K + split); the last split of a (slot, span) to arrive (locks
@@ -57,13 +57,13 @@ def _fused_kernel(
     t_mask = token_slot == slot
     if tl.max(t_mask.to(tl.int32), axis=0) == 0:  # no token of the batch uses this slot
         return
-    first1 = tl.cdiv(off1, SPAN)
-    first2 = first1 + tl.cdiv(off2 - off1, SPAN)
+    first1 = tl.cdiv(off1, span)
+    first2 = first1 + tl.cdiv(off2 - off1, span)
     j = (pid_n >= first1).to(tl.int32) + (pid_n >= first2).to(tl.int32)
     first = tl.where(j == 0, 0, tl.where(j == 1, first1, first2))
     col_begin = tl.where(j == 0, 0, tl.where(j == 1, off1, off2))
     col_end = tl.where(j == 0, off1, tl.where(j == 1, off2, off3))
-    span_begin = col_begin + (pid_n - first) * SPAN
+    span_begin = col_begin + (pid_n - first) * span
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     rows = offs_t.to(tl.int64)
@@ -75,7 +75,7 @@ def _fused_kernel(
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_bk
     out_rows = out_ptr + rows[:, None] * stride_om
     scaling = tl.load(scalings_ptr + slot)
-    span_end = tl.minimum(col_end, span_begin + SPAN)
+    span_end = tl.minimum(col_end, span_begin + span)
     if SPLIT_K == 1:
         _expand_span(y, b_rows, r_mask, out_rows, t_mask, scaling, span_begin, span_end, stride_bn, stride_on,
                      BLOCK_N, PRECISION)
@@ -127,6 +127,11 @@ def _expand_span(y, b_rows, r_mask, out_rows, t_mask, scaling, col_begin, col_en
 
 def _pow2_between(value: int, low: int, high: int) -> int:
     return max(low, min(high, triton.next_power_of_2(value)))
+
+
+def tile_sizes(num_tokens: int, r_max: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_R) of a launch: the padded token rows and rank (what a tuned entry is keyed by)."""
+    return _pow2_between(num_tokens, 16, FUSED_MAX_TOKENS), _pow2_between(r_max, 16, 128)
 
 
 MAX_GROUPS = 256  # (span, split) programs per slot and launch: sizes the workspace and the locks
@@ -217,8 +222,7 @@ def launch(
     if num_tokens == 0:
         return
     widths = tuple(hi - lo for lo, hi in zip(offsets, offsets[1:]))
-    block_t = _pow2_between(num_tokens, 16, FUSED_MAX_TOKENS)
-    block_r = _pow2_between(r_max, 16, 128)
+    block_t, block_r = tile_sizes(num_tokens, r_max)
     span, split_k = choose_split(k, widths, block_r, a.element_size(), num_slots - 1)
     span, split_k = max(config.span or span, MIN_SPAN), config.split_k or split_k
     groups = sum(triton.cdiv(w, span) for w in widths)
@@ -234,10 +238,10 @@ def launch(
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
     _fused_kernel[(num_slots, groups, split_k)](
         x, a, b, out, token_slots, ranks, scalings, buffers.ws, buffers.locks,
-        min(num_tokens, token_slots.numel()), k, r_max, bounds[0], bounds[1], bounds[2], k_per_split,
+        min(num_tokens, token_slots.numel()), k, r_max, bounds[0], bounds[1], bounds[2], k_per_split, span,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=64 if block_r > 32 else 128, SPAN=span,
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=64 if block_r > 32 else 128,
         SPLIT_K=split_k, GROUPS=MAX_GROUPS, PRECISION=precision, num_warps=num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
