@@ -126,7 +126,8 @@ def set_overlap(engine: Engine, on: bool) -> None:
 
 
 def engine_step_ms(engine: Engine, bs: int, context: int, steps: int) -> float:
-    prompts = [[(7 * r + i) % 1000 + 3 for i in range(context)] for r in range(bs)]
+    span = min(1000, engine.runner.hf_config.vocab_size - 3)  # ids 3.. inside every preset's vocabulary
+    prompts = [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
 
     def run(n):
         params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
@@ -158,7 +159,7 @@ def profile_step(engine: Engine, context: int, steps: int = 8) -> dict:
     """One bs-1 engine step: wall time, device kernel time, and the top kernels (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = [[i % 1000 + 3 for i in range(context)]]
+    prompts = [[i % min(1000, engine.runner.hf_config.vocab_size - 3) + 3 for i in range(context)]]
     params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
     engine.generate(input_ids=prompts, sampling_params=params)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
