@@ -29,9 +29,14 @@ import random
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
-COPY_BANDWIDTH = 4.30e12  # B/s, H200 device-to-device copy (../shared/device/README.md)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import H200_COPY_TB_S, copy_bandwidth_tb_s  # noqa: E402  (bench/timing.py)
+
 MATMUL_PEAK = 680e12  # FLOP/s, bf16 8192^3 matmul, lower end of the measured range
 
 
@@ -69,20 +74,24 @@ def model_sizes(config, dtype_bytes: int = 2) -> tuple[int, int]:
     return kv_per_token, matmul_params
 
 
-def floor_seconds(shapes, weight_bytes: int, kv_per_token: int, matmul_params: int) -> float:
-    """Decode: one weight read per step plus the running requests' KV; prefill: 2 * params * tokens FLOPs."""
+def floor_seconds(shapes, weight_bytes: int, kv_per_token: int, matmul_params: int, copy_tb_s: float) -> float:
+    """Decode: one weight read per step plus the running requests' KV at copy_tb_s (the device's measured
+    copy bandwidth); prefill: 2 * params * tokens FLOPs at MATMUL_PEAK."""
     decode_bytes = 0
     for step in range(max(n_out for _, n_out in shapes) - 1):  # the first token comes from the prefill
         running = [(n_in, n_out) for n_in, n_out in shapes if n_out - 1 > step]
         decode_bytes += weight_bytes + kv_per_token * sum(n_in + 1 + step for n_in, _ in running)
     prefill_flops = 2.0 * matmul_params * sum(n_in for n_in, _ in shapes)
-    return decode_bytes / COPY_BANDWIDTH + prefill_flops / MATMUL_PEAK
+    return decode_bytes / (copy_tb_s * 1e12) + prefill_flops / MATMUL_PEAK
 
 
 def run_engine(ns, backend: str, shapes) -> dict:
     from backplane import Engine, SamplingParams
 
-    engine = Engine(ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running)
+    # Graphs up to the running batch: past --cuda-graph-max-bs (160 by default) a decode step runs
+    # eagerly, which on a small model costs several times the replayed step.
+    engine = Engine(ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
+                    cuda_graph_max_bs=ns.cuda_graph_max_bs or ns.max_running)
     runner = engine.runner
     prompts = prompts_for(shapes, int(runner.hf_config.vocab_size))
     params = [SamplingParams(max_new_tokens=n_out, temperature=0, ignore_eos=True) for _, n_out in shapes]
@@ -102,7 +111,7 @@ def run_engine(ns, backend: str, shapes) -> dict:
            "tpot_ms": statistics.median(o.tpot_s for o in outs if o.tpot_s is not None) * 1e3,
            "ttft_ms": statistics.median(o.ttft_s for o in outs) * 1e3,
            "graphs": runner.graph_runner is not None,
-           "floor_s": floor_seconds(shapes, weight_bytes, kv_per_token, matmul_params),
+           "floor_s": floor_seconds(shapes, weight_bytes, kv_per_token, matmul_params, ns.copy_tb_s),
            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token}
     del engine, runner
     gc.collect()
@@ -153,7 +162,8 @@ def refloor(path: str) -> None:
         for r in work["rows"]:
             if "weight_bytes" in r:
                 r["kv_bytes_per_token"] = kv_per_token
-                r["floor_s"] = floor_seconds(shapes, r["weight_bytes"], kv_per_token, matmul_params)
+                r["floor_s"] = floor_seconds(shapes, r["weight_bytes"], kv_per_token, matmul_params,
+                                            report.get("copy_tb_s", H200_COPY_TB_S))
                 r["floor_tok_s"] = r["output_tokens"] / r["floor_s"]
                 r["vs_floor"] = r["tok_s"] / r["floor_tok_s"]
     report["floor_recomputed"] = True
@@ -168,6 +178,7 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: --max-running")
     p.add_argument("--fixed-shape", type=int, nargs=2, default=(1024, 256), metavar=("INPUT", "OUTPUT"))
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"])
     p.add_argument("--hf-requests", type=int, default=64, help="requests transformers runs (0: skip it)")
@@ -177,7 +188,8 @@ def main() -> None:
     if ns.refloor:
         return refloor(ns.refloor)
     device_name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
-    report = {"model": ns.model, "device": device_name, "torch": torch.__version__,
+    ns.copy_tb_s = copy_bandwidth_tb_s(ns.device)
+    report = {"model": ns.model, "device": device_name, "torch": torch.__version__, "copy_tb_s": ns.copy_tb_s,
               "date": time.strftime("%Y-%m-%d"), "fixed_shape": list(ns.fixed_shape), "workloads": {}}
     lines = []
     for kind in ns.workloads:

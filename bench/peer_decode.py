@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ import torch.nn.functional as F
 from backplane import Engine, SamplingParams
 from backplane.engine.scheduler import Scheduler
 from backplane.models.presets import get_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import copy_bandwidth_tb_s  # noqa: E402  (bench/timing.py)
 
 
 class PeerLlama(torch.nn.Module):
@@ -240,7 +245,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--hbm-tb-s", type=float, default=4.3, help="memory bandwidth for the weight-read floor")
+    p.add_argument("--hbm-tb-s", type=float, default=None,
+                   help="memory bandwidth for the weight-read floor, TB/s (default: a measured device copy)")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
     p.add_argument("--peer-attention", nargs="+", choices=["repeat", "gqa"], default=["repeat", "gqa"],
                    help="the peer's attention: K/V heads repeated to the query heads (gpt-fast) and/or SDPA's "
@@ -249,6 +255,8 @@ def main() -> None:
     p.add_argument("--out")
     ns = p.parse_args()
     get_preset(ns.models[0])  # fail fast on a misspelt preset
+    ns.hbm_tb_s = ns.hbm_tb_s or copy_bandwidth_tb_s(ns.device)
+    print(f"device copy bandwidth {ns.hbm_tb_s:.2f} TB/s (the weight-read floor's)")
     rows = [r for m in ns.models for b in ns.backends for r in measure_model(ns, m, b)]
     if ns.out:
         with open(ns.out, "w") as f:

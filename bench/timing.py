@@ -30,3 +30,27 @@ def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int =
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / reps_in_graph)
     return statistics.median(times)
+
+
+H200_COPY_TB_S = 4.30  # device-to-device copy, bytes read + written (../shared/device/README.md)
+
+
+def copy_bandwidth_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Measured device-to-device copy bandwidth in TB/s (bytes read + written), the floors' memory
+    speed on whatever card runs the benchmark; the H200's figure off CUDA (CPU smoke runs)."""
+    if torch.device(device).type != "cuda":
+        return H200_COPY_TB_S
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    tb_s = 2 * nbytes * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    del src, dst
+    torch.cuda.empty_cache()
+    return tb_s
