@@ -3,6 +3,7 @@
 #   bench/gpu_suite.sh tests [pytest -k expression]   every `-m gpu` test, in four parallel groups
 #   bench/gpu_suite.sh kernels    bench/attention.py --sweep, bench/graph_runner.py, bench/lora.py
 #   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
+#   bench/gpu_suite.sh e2e-1b     bench/e2e.py for llama-3.2-1b, triton and flashinfer, no transformers run
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
@@ -113,6 +114,9 @@ case "$what" in
     step spec 150 python3 bench/spec.py --backend triton --out "$out/spec.json"
     step tp1 150 python3 bench/tp.py run --tp-size 1 --out "$out/tp1.json"
     step e2e-llama-3.2-1b 280 python3 bench/e2e.py --model llama-3.2-1b --out "$out/e2e-llama-3.2-1b.json" ;;&
+  e2e-1b)  # issue 20's floor target alone: the engine on both backends, no transformers baseline
+    step e2e-llama-3.2-1b 300 python3 bench/e2e.py --model llama-3.2-1b --hf-requests 0 \
+      --out "$out/e2e-llama-3.2-1b.json" ;;
   e2e-8b|all)
     step e2e-llama-3.1-8b 500 python3 bench/e2e.py --model llama-3.1-8b --out "$out/e2e-llama-3.1-8b.json"
     plot ;;
@@ -198,7 +202,7 @@ case "$what" in
       --out "$out/compile_speed.json" ;;
   plot) plot ;;
   tests|kernels|serving|matrix) ;;
-  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, lora-tune, matrix, ops, compile, plot or all)"; exit 2 ;;
+  *) echo "unknown part: $what (expected tests, kernels, serving, e2e-1b, e2e-8b, recheck, spec, prefix-cache, http, decode, lora-kernels, lora-fused, lora-tune, matrix, ops, compile, plot or all)"; exit 2 ;;
 esac
 echo
 printf '%s\n' "${summary[@]}"
