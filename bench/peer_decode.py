@@ -160,27 +160,44 @@ def weight_floor_ms(engine: Engine, tb_s: float) -> float:
     return total / (tb_s * 1e12) * 1e3
 
 
-def profile_step(engine: Engine, context: int, steps: int = 8) -> dict:
-    """One bs-1 engine step: wall time, device kernel time, and the top kernels (torch.profiler)."""
+def _kernel_profile(engine: Engine, prompts, n: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """(wall ms, {kernel: (device ms, launches)}) of one generate of n tokens under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = [[i % min(1000, engine.runner.hf_config.vocab_size - 3) + 3 for i in range(context)]]
-    params = SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)
-    engine.generate(input_ids=prompts, sampling_params=params)
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         engine.generate(input_ids=prompts, sampling_params=params)
         sync(engine.runner.device)
         wall = time.perf_counter() - t
-    events = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None
-              and str(e.device_type).endswith("CUDA")]
-    device_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in events)
-    top = sorted(events, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0))[:6]
-    per = steps + 1  # prefill included: reported per generated token
-    return {"wall_ms_per_token": wall * 1e3 / per, "kernel_ms_per_token": device_us / 1e3 / per,
-            "host_or_idle_ms_per_token": wall * 1e3 / per - device_us / 1e3 / per,
-            "top_kernels": [(e.key[:60], (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / per) for e in top]}
+    kernels = {}
+    for e in prof.key_averages():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernels[e.key] = ((getattr(e, "self_device_time_total", 0) or 0) / 1e3, e.count)
+    return wall * 1e3, kernels
+
+
+def profile_step(engine: Engine, context: int, steps: int = 32) -> dict:
+    """Where one bs-1 decode step's time goes, overlap on and off: wall time, device kernel time,
+    the rest (host work the device waits for, and launch gaps), kernel launches, the top kernels.
+    Decode only: a generate of 1 + steps tokens minus one of 1 token (the prefill cancels)."""
+    prompts = [[i % min(1000, engine.runner.hf_config.vocab_size - 3) + 3 for i in range(context)]]
+    report = {}
+    for overlap in (True, False):
+        set_overlap(engine, overlap)
+        _kernel_profile(engine, prompts, 1 + steps)  # warm-up
+        short_wall, short = _kernel_profile(engine, prompts, 1)
+        long_wall, long = _kernel_profile(engine, prompts, 1 + steps)
+        per = {k: ((ms - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
+               for k, (ms, n) in long.items()}
+        wall, device = (long_wall - short_wall) / steps, sum(ms for ms, _ in per.values())
+        top = sorted(per.items(), key=lambda kv: -kv[1][0])[:8]
+        report["overlap" if overlap else "no_overlap"] = {
+            "wall_ms": wall, "kernel_ms": device, "host_or_gap_ms": wall - device,
+            "launches": sum(n for _, n in per.values()), "top_kernels": [(k[:70], ms, n) for k, (ms, n) in top]}
+    set_overlap(engine, True)
+    return report
 
 
 PEER_MS: dict[tuple[str, int, str], float] = {}  # (model, bs, attention) -> peer step ms, shared by the backends
@@ -230,10 +247,15 @@ def table(rows: list[dict]) -> str:
                      f"{r['overlap_speedup']:>9.2f} {r['floor_ms']:>8.3f}")
     for r in rows:
         p = r.get("profile_bs1")
-        if p:
-            lines.append(f"{r['model']} {r['backend']} bs 1 per token: wall {p['wall_ms_per_token']:.3f} ms, kernels "
-                         f"{p['kernel_ms_per_token']:.3f} ms, host/idle {p['host_or_idle_ms_per_token']:.3f} ms; top: "
-                         + ", ".join(f"{k} {ms:.3f}" for k, ms in p["top_kernels"][:3]))
+        if not p:
+            continue
+        lines.append(f"{r['model']} {r['backend']}, one bs-1 decode step (profiler): wall ms | kernels ms | "
+                     "host or gaps ms | launches")
+        for name, q in p.items():
+            lines.append(f"  {name:<11} {q['wall_ms']:7.3f} {q['kernel_ms']:7.3f} {q['host_or_gap_ms']:7.3f} "
+                         f"{q['launches']:6.0f}")
+        lines.append("  top kernels (overlap): " + "; ".join(f"{k[:40]} {ms:.3f} ms x{n:.0f}"
+                                                        for k, ms, n in p["overlap"]["top_kernels"][:5]))
     return "\n".join(lines)
 
 
