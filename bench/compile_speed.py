@@ -110,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     for backend in ns.backends:
         plain, compiled = [], []
         for repeat in range(ns.repeats):
-            plain.append({**bench_once(ns, backend, False), "repeat": repeat})
-            compiled.append({**bench_once(ns, backend, True), "repeat": repeat})
+            for runs_of, compile_ in ((plain, False), (compiled, True)):
+                run = {**bench_once(ns, backend, compile_), "repeat": repeat}
+                runs_of.append(run)
+                print(f"run {backend} compile={'on' if compile_ else 'off'} repeat {repeat}: "  # survives a kill
+                      f"{run.get('decode_step_ms') or run.get('error')} capture {run.get('capture_s')} s, "
+                      f"wall {run['wall_s']:.0f} s", flush=True)
         runs += [run for pair in zip(plain, compiled) for run in pair]
         rows += compare(plain, compiled, ns.batch_size)
     report = {"model": ns.model, "input_len": ns.input_len, "output_len": ns.output_len, "repeats": ns.repeats,
