@@ -106,6 +106,7 @@ def sync(device: torch.device) -> None:
 def peer_step_ms(cfg, bs: int, context: int, steps: int, device, compile_: bool, attention: str = "repeat") -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = PeerLlama(cfg, bs, context + steps + 8, dtype, device, attention)
+    torch._dynamo.reset()  # a fresh compile per peer: six model instances would pass Dynamo's recompile limit
     step = torch.compile(model, mode="reduce-overhead", fullgraph=True) if compile_ else model
     ids = torch.zeros(bs, dtype=torch.long, device=device)
     pos = torch.tensor([context], device=device)  # 1-D: a 0-d index is data-dependent to dynamo
