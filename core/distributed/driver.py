@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from backplane.distributed.batch_sync import pack_batch
+from backplane.distributed.batch_sync import pack_batch, send_input_ids
 from backplane.distributed.broadcast import broadcast_object
 from backplane.distributed.launcher import (WorkerConfig, WorkerHandles, apply_env, free_port,
                                             init_groups)
@@ -72,7 +72,11 @@ class TPDriver:
             threading.Thread(target=self._watch, name="backplane-tp-watch", daemon=True).start()
 
     def run(self, batch: Any, forward_local: Callable[[Any], Any]) -> Any:
-        """Broadcast `batch` to the workers, then run it here; returns rank 0's output."""
+        """Broadcast `batch` to the workers, then run it here; returns rank 0's output.
+
+        The message is the batch's host data (no wait for the step in flight); placeholder input
+        ids are followed by rank 0's resolved device ids over the tensor group (batch_sync.py).
+        """
         if self.closed:
             raise RuntimeError(f"tensor-parallel engine is shut down{_after(self.failed)}")
         if not self.ready:
@@ -80,6 +84,7 @@ class TPDriver:
         msg = pack_batch(batch, pack_lora(self.lora, batch))
         try:
             broadcast_object(msg, 0, self.parallel.cpu_group)
+            send_input_ids(msg, batch, self.parallel.group)
             return forward_local(batch)
         except BaseException as exc:
             raise_failure(self, exc)

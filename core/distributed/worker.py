@@ -75,7 +75,8 @@ def serve(config: WorkerConfig, runner: Any, mirror: Any) -> None:
             if msg is None:
                 return
             injected_failure(config.rank, "forward")
-            batch = unpack_batch(msg, runner.req_to_token_pool, runner.token_to_kv_pool, runner.device)
+            batch = unpack_batch(msg, runner.req_to_token_pool, runner.token_to_kv_pool, runner.device,
+                                 runner.parallel.group)
             mirror.apply(msg.lora, batch)
             runner.forward(batch)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.batch import ForwardBatch, ForwardMode, HostBatch
 from backplane.engine.overlap import FutureTokens
 from backplane.engine.request import Req
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
@@ -31,8 +31,17 @@ def build_extend_batch(reqs: list[Req], chunks: list[int], kv_pool: TokenToKVPoo
         positions += range(req.num_cached, req.num_cached + n)
     prefix = [req.num_cached for req in reqs]
     seq_lens = [p + n for p, n in zip(prefix, chunks)]
-    return _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_pool, kv_pool,
-                       prefix=prefix, extend=chunks)
+    batch = _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_pool, kv_pool,
+                        prefix=prefix, extend=chunks)
+    batch.host.prefix_slots = _prefix_slots(reqs)
+    return batch
+
+
+def _prefix_slots(reqs: list[Req]) -> torch.Tensor | None:
+    """[sum num_cached] int64 (host): each request's slots of its cached tokens, request after
+    request, from the host record `req.slots` (what req_to_token[row, :num_cached] holds)."""
+    parts = [torch.cat(req.slots)[:req.num_cached] for req in reqs if req.num_cached]
+    return torch.cat(parts) if parts else None
 
 
 def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToTokenPool,
@@ -64,7 +73,8 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
     A blocking host-to-device copy (`.to(device)`, `torch.tensor(..., device=...)`) synchronizes the
     stream, that is waits for the step in flight: under overlap scheduling it would serialize the
     host with the GPU again. A pageable source is staged before the copy returns, so the packed
-    tensor may be dropped at once.
+    tensor may be kept: its views are the batch's host copies (`batch.host`), which tensor
+    parallelism sends instead of copying the device tensors back.
     """
     device = req_pool.req_to_token.device
     n, bs = len(input_ids), len(reqs)
@@ -82,6 +92,8 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
         req_pool_indices=packed[4 * n:4 * n + bs], seq_lens=packed[4 * n + bs:].to(torch.int32),
         seq_lens_cpu=seq_lens_cpu, out_cache_loc=loc_d,
         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
+        host=HostBatch(input_ids=host[:n], positions=host[n:2 * n], out_cache_loc=host[2 * n:3 * n],
+                       req_pool_indices=host[4 * n:4 * n + bs]),
     )
     if extend is not None:
         batch.set_extend_lens(prefix, extend)

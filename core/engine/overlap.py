@@ -27,7 +27,9 @@ class FutureTokens:
 
     Placeholder -k (k >= 1) names slot k. A placeholder is only read by the step launched right
     after the one that wrote it, so a ring of a few batches' worth of slots never wraps onto a live
-    one. tokens: [capacity + 1] int64 on `device` (slot 0 unused).
+    one. tokens: [capacity + 1] int64 on `device` (slot 0 unused). Under tensor parallelism only
+    rank 0 has a ring: the other ranks get its resolved input ids on the device
+    (backplane.distributed.batch_sync.send_input_ids).
     """
 
     def __init__(self, max_tokens_per_step: int, device: torch.device):

@@ -16,6 +16,30 @@ if TYPE_CHECKING:
     from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 
+@dataclass
+class HostBatch:
+    """The host copies of a ForwardBatch's token and request vectors, kept by the batch builder.
+
+    input_ids, positions, out_cache_loc: [num_tokens] int64; req_pool_indices: [batch_size] int64.
+    input_ids are the ids as built: a token still in flight under overlap scheduling is its
+    negative placeholder (the device copy is resolved, this one is not). prefix_slots: EXTEND
+    only, req_to_token[row, :prefix_len] of every request, request after request [sum prefix]
+    int64, or None when no request has a prefix. Reading these never waits for the device, which
+    is why tensor parallelism sends them (backplane.distributed.batch_sync).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    prefix_slots: torch.Tensor | None = None
+
+    @property
+    def has_placeholders(self) -> bool:
+        """Whether some input id is a placeholder for a token still on the device."""
+        return bool(self.input_ids.numel()) and int(self.input_ids.min()) < 0
+
+
 class ForwardMode(enum.Enum):
     """The kind of forward pass; attention backends declare which ones they serve."""
 
@@ -80,6 +104,8 @@ class ForwardBatch:
     capture_hidden: bool = False
     # A caller-owned fp32 [rows >= selected tokens, vocab] the logits layer writes into (graph capture).
     logits_out: torch.Tensor | None = None
+    # The builder's host copies (None for batches built elsewhere: graph capture, speculation).
+    host: HostBatch | None = None
 
     @property
     def num_tokens(self) -> int:
