@@ -25,6 +25,7 @@ import torch
 from backplane.executor.batch import ForwardBatch
 from backplane.executor.protocols import SchedulerParticipant
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
+from backplane.engine.decode_state import DecodeState
 from backplane.engine.overlap import FutureTokens, LaunchedStep, OverlapLoop
 from backplane.engine.prefix_cache import PrefixCache
 from backplane.engine.radix import RadixTree
@@ -68,6 +69,8 @@ class Scheduler:
         # one's tokens are read; speculative decoding runs without it.
         self.future = FutureTokens(self.max_running, runner.device) if overlap and spec_worker is None else None
         self.overlap = OverlapLoop(self) if self.future is not None else None
+        # Plain decode batches: advanced in place while the same requests decode step after step.
+        self.decode_state = DecodeState(self.kv_pool, self.req_pool, self.future)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -252,14 +255,13 @@ class Scheduler:
     def _run_decode(self, reqs: list[Req]) -> LaunchedStep:
         if self.spec_worker is not None:
             return self._run_speculative(reqs)
-        batch = build_decode_batch(reqs, self.kv_pool, self.req_pool, self.future)
-        if self.future is not None:
-            batch.input_ids = self.future.resolve(batch.input_ids)
-        self._prepare(batch, reqs)
+        batch = self._prepare(self.decode_state.build(reqs), reqs)
         for req in reqs:
             req.num_cached += 1
         logits = self.runner.forward(batch).logits
-        return self._sample_on_device(reqs, logits)
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.shared_generator)
+        self.decode_state.commit(reqs, tokens)
+        return self._launch(reqs, tokens, logprobs)
 
     def _run_speculative(self, reqs: list[Req]) -> LaunchedStep:
         """A speculative step; a request whose drafts would pass the context end decodes one
@@ -282,6 +284,10 @@ class Scheduler:
 
     def _sample_on_device(self, reqs: list[Req], logits: torch.Tensor) -> LaunchedStep:
         tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.shared_generator)
+        return self._launch(reqs, tokens, logprobs)
+
+    def _launch(self, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
+        """Start the copy of sampled tokens [len(reqs)] to the host; under overlap keep them on the device too."""
         if self.future is not None:
             self.future.store(reqs, tokens)
         return LaunchedStep.launch(reqs, tokens, logprobs)

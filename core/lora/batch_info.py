@@ -10,8 +10,8 @@ after the last one; `token_slots` is 0 after the batch's tokens. Host mirrors of
 let backends plan on the host without a device synchronisation.
 
 Nothing goes to the device when a batch has the same segments as the one before (a decode step of
-the same requests): `update_` compares on the host and skips the copy (`num_device_copies` counts
-the copies made). The slot vectors (ranks, scalings) are copied only when the slot pool changes.
+the same requests): `update_` compares the given values with the last ones on the host, before
+making any tensor of them, and skips the copy (`num_device_copies` counts the copies made). The slot vectors (ranks, scalings) are copied only when the slot pool changes.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class LoraBatchInfo:
     _packed: torch.Tensor = field(repr=False)  # the device buffer the segment and token vectors view
     _staging: torch.Tensor = field(repr=False)  # its host twin, written then copied with one transfer
     num_device_copies: int = 0  # segment copies to the device so far (skipped when unchanged)
+    _segments: tuple = field(default=((), ()), repr=False)  # the last (seg_lens, weight_indices) written
 
     @classmethod
     def allocate(
@@ -134,14 +135,13 @@ class LoraBatchInfo:
         seg_lens, weight_indices: [bs] host ints (lists or CPU tensors), bs <= max_segments.
         ranks, scalings: [num_slots], given when the slot pool changed; otherwise kept.
         """
-        seg_lens_t = _host_int32(seg_lens, "seg_lens")
-        slots_t = _host_int32(weight_indices, "weight_indices")
-        bs = int(seg_lens_t.shape[0])
-        unchanged = (bs == self.bs and torch.equal(seg_lens_t, self.seg_lens_cpu[:bs])
-                     and torch.equal(slots_t, self.weight_indices_cpu[:bs]))
-        if not unchanged:
+        segments = (_host_values(seg_lens, "seg_lens"), _host_values(weight_indices, "weight_indices"))
+        if segments != self._segments:
+            seg_lens_t = _host_int32(seg_lens, "seg_lens")
+            slots_t = _host_int32(weight_indices, "weight_indices")
             self._check_segments(seg_lens_t, slots_t)
             self._write_segments(seg_lens_t, slots_t)
+            self._segments = segments
         if ranks is not None or scalings is not None:
             self.set_slots_(ranks, scalings)
         return self
@@ -216,6 +216,13 @@ class LoraBatchInfo:
             raise ValueError(
                 f"LoraBatchInfo: expected {what} for {self.num_slots} slots, got {values.shape[0]} values"
             )
+
+
+def _host_values(values: IntsLike, what: str) -> tuple:
+    """The values as a tuple (a cheap comparison key); a CUDA tensor is refused (it would synchronise)."""
+    if isinstance(values, torch.Tensor):
+        return tuple(_host_int32(values, what).tolist())
+    return tuple(values)
 
 
 def _host_int32(values: IntsLike, what: str) -> torch.Tensor:

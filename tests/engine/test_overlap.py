@@ -20,9 +20,9 @@ from lora_helpers import make_lora_world
 TINY = dict(device="cpu", max_total_tokens=2048, max_running_requests=8)
 
 
-def prompts_of(lengths, seed=0):
+def prompts_of(lengths, seed=0, vocab=500):
     rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def run_both(model, prompts, params, lora=None, **settings):
@@ -94,18 +94,21 @@ def test_chunked_prefill_and_preemption_match():
 def test_lora_mixed_batch_matches(tmp_path):
     world = make_lora_world(tmp_path)
     names = list(world.adapter_dirs)
-    prompts = prompts_of([5, 13, 1, 4, 3, 6], seed=2)
+    prompts = prompts_of([5, 13, 1, 4, 3, 6], seed=2, vocab=300)  # the LoRA test model has 300 tokens
     lora = [names[0], None, names[1], names[2], names[0], None]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 3, 8, 1, 5, 7)]
     on, off = run_both(str(world.base_dir), prompts, params, lora=lora, device="cpu", dtype="float32",
                        max_total_tokens=1024, max_running_requests=4, lora_paths=world.lora_paths(),
                        lora_backend="torch_native", max_loras_per_batch=2)
+    assert all(o.finish_reason != "abort" for o in on), [o.error for o in on]
     assert_same(on, off)
 
 
-def test_decode_inputs_come_from_placeholders(monkeypatch):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_decode_inputs_come_from_placeholders(monkeypatch, reuse):
     """Under overlap every decode step after the first feeds the previous step's tokens from the
-    device: its host input ids are placeholders, never the token values."""
+    device: a step built from host lists holds placeholders, never the token values, and a step
+    that reuses the previous batch (same requests) takes the sampled tokens on the device as they are."""
     seen = []
     resolve = FutureTokens.resolve
 
@@ -115,9 +118,13 @@ def test_decode_inputs_come_from_placeholders(monkeypatch):
 
     monkeypatch.setattr(FutureTokens, "resolve", spy)
     engine = Engine("tiny-llama", **TINY)
+    state = engine.scheduler.decode_state
+    state.reuse = reuse
     engine.generate(input_ids=prompts_of([4, 6]), sampling_params=SamplingParams(max_new_tokens=5, temperature=0.0,
                                                                                   ignore_eos=True))
-    assert len(seen) >= 4 and all(all(t < 0 for t in ids) for ids in seen), seen
+    assert all(all(t < 0 for t in ids) for ids in seen), seen
+    assert len(seen) == state.num_rebuilt and state.num_rebuilt + state.num_reused >= 4
+    assert state.num_reused == (3 if reuse else 0)
 
 
 def test_future_ring_resolves_only_placeholders():
