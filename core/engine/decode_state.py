@@ -25,7 +25,7 @@ import torch
 from backplane.engine.batch_builder import build_decode_batch
 from backplane.engine.overlap import FutureTokens
 from backplane.engine.request import Req
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.executor.batch import ForwardBatch, ForwardMode, HostBatch
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
 
 _ROW = attrgetter("row")
@@ -112,6 +112,8 @@ class DecodeState:
         slots = self.kv_pool.alloc(len(reqs))  # [bs] int64, host
         for req, slot in zip(reqs, slots.view(-1, 1).unbind()):  # [1] views, as build_decode_batch appends
             req.slots.append(slot)
+        # NOTE: the host copies first: on CPU the "device" tensors below are the host ones themselves.
+        host = _advanced_host(prev.host, slots)
         loc = prev.out_cache_loc.copy_(slots, non_blocking=True)  # a pageable source: no stream sync
         positions = prev.positions.add_(1)
         prev.seq_lens.add_(1)
@@ -121,5 +123,15 @@ class DecodeState:
             forward_mode=ForwardMode.DECODE, batch_size=prev.batch_size, input_ids=self._tokens,
             positions=positions, req_pool_indices=prev.req_pool_indices, seq_lens=prev.seq_lens,
             seq_lens_cpu=prev.seq_lens_cpu, out_cache_loc=loc,
-            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
+            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool, host=host,
         )
+
+
+def _advanced_host(prev: HostBatch | None, slots: torch.Tensor) -> HostBatch | None:
+    """The host copies of a reused step (tensor parallelism sends them): positions one further, the
+    new slots, the same rows, and every input id marked in flight (-1): the ids are the last step's
+    sampled tokens, on the device only, so the workers receive them by device broadcast."""
+    if prev is None:
+        return None
+    return HostBatch(input_ids=torch.full_like(prev.req_pool_indices, -1), positions=prev.positions + 1,
+                     out_cache_loc=slots, req_pool_indices=prev.req_pool_indices)
