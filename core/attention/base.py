@@ -99,7 +99,8 @@ class AttentionBackend(ABC):
         A backend that returns True receives `kv_written=True` in `forward_extend` / `forward_decode`
         for such calls (k and v are still passed, rotated) and must then not write them again. A
         backend that keeps the default is called exactly as before: rotated q, k, v, and it writes K/V.
-        The layer never fuses inside torch.compile, where the usual path is traced.
+        Under torch.compile the same choice is made at run time inside the opaque op
+        `torch.ops.backplane.rotary_attention` (for a backend class that overrides this method).
         """
         return False
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from backplane.attention.base import AttentionLayerInfo
+from backplane.attention.base import AttentionBackend, AttentionLayerInfo
 from backplane.executor.batch import ForwardBatch
 from backplane.ops import opaque
 
@@ -41,20 +41,34 @@ class Attention(nn.Module):
 
         rotary, positions: when given (a RotaryEmbedding and [T] positions), q and k are not rotated
         yet and the layer applies it: fused with the K/V write (the `rotary_kv_write` op) when the
-        backend opts in (`fuses_rotary_kv_write`) outside torch.compile, else as `rotary(positions, q, k)`.
+        backend opts in (`fuses_rotary_kv_write`), else as `rotary(positions, q, k)`. Under torch.compile
+        the backend runs behind an opaque op: `rotary_attention` (rotary inside it, so the fused write
+        stays) for a backend that may opt in, else Inductor's rotary and then `attention`.
         """
+        if opaque.compiling() and rotary is not None and _may_fuse(self.ctx.attn_backend):
+            # rotary goes inside the opaque op, where the backend may fuse it with the K/V write
+            return torch.ops.backplane.rotary_attention(q, k, v, positions, self.handle, rotary.handle)
+        if not opaque.compiling():
+            return self.attend(q, k, v, batch, rotary, positions)
         if rotary is not None:
-            if not opaque.compiling() and _fuses(self.ctx.attn_backend, batch):
+            q, k = rotary(positions, q, k)
+        info = self.info
+        num_tokens = q.shape[0]
+        out = q.new_empty(num_tokens, info.num_heads, info.head_dim)  # one opaque op: Dynamo never traces the backend
+        torch.ops.backplane.attention(q.view(num_tokens, info.num_heads, info.head_dim),
+                                      k.view(num_tokens, info.num_kv_heads, info.head_dim),
+                                      v.view(num_tokens, info.num_kv_heads, info.head_dim), out, self.handle)
+        return out.view(num_tokens, info.num_heads * info.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, rotary: Any = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager path of `forward` (also what torch.ops.backplane.rotary_attention runs)."""
+        if rotary is not None:
+            if _fuses(self.ctx.attn_backend, batch):
                 return self._forward_rotary_kv_write(q, k, v, batch, rotary, positions)
             q, k = rotary(positions, q, k)
         info = self.info
         num_tokens = q.shape[0]
-        if opaque.compiling():  # one opaque op: Dynamo never traces the backend's kernels or planning
-            out = q.new_empty(num_tokens, info.num_heads, info.head_dim)
-            torch.ops.backplane.attention(q.view(num_tokens, info.num_heads, info.head_dim),
-                                          k.view(num_tokens, info.num_kv_heads, info.head_dim),
-                                          v.view(num_tokens, info.num_kv_heads, info.head_dim), out, self.handle)
-            return out.view(num_tokens, info.num_heads * info.head_dim)
         o = self.ctx.attn_backend.forward(
             q.view(num_tokens, info.num_heads, info.head_dim),
             k.view(num_tokens, info.num_kv_heads, info.head_dim),
@@ -74,6 +88,12 @@ class Attention(nn.Module):
         q3, k3 = rotary.forward_kv_write(positions, q3, k3, v3, k_cache, v_cache, batch.out_cache_loc)
         o = self.ctx.attn_backend.forward(q3, k3, v3, info, batch, kv_written=True)
         return o.reshape(num_tokens, info.num_heads * info.head_dim)
+
+
+def _may_fuse(backend: Any) -> bool:
+    """Whether `backend`'s class overrides `fuses_rotary_kv_write`: a constant of the class, which
+    Dynamo folds while tracing; the per-batch answer is asked at run time, inside the opaque op."""
+    return type(backend).fuses_rotary_kv_write is not AttentionBackend.fuses_rotary_kv_write
 
 
 def _fuses(backend: Any, batch: ForwardBatch) -> bool:

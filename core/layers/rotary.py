@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from backplane.ops import opaque
 from backplane.ops.rope import build_cos_sin_cache
 
 
@@ -28,6 +29,7 @@ class RotaryEmbedding(nn.Module):
         self.is_neox = is_neox
         cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling)
         self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device), persistent=False)
+        self.handle = opaque.register_layer(self)  # for torch.ops.backplane.rotary_attention under torch.compile
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [T]; q: [T, num_heads * head_dim]; k: [T, num_kv_heads * head_dim] -> same shapes."""

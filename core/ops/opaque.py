@@ -5,9 +5,10 @@ launches with meta-parameters, FlashInfer's planned wrappers, per-layer lookups)
 each layer hands its attention and its LoRA delta to one registered torch op instead:
 
     torch.ops.backplane.attention(q, k, v, out, handle)   # writes out: [T, H, v_dim]
+    torch.ops.backplane.rotary_attention(q, k, v, positions, handle, rotary_handle)  # rotary inside: [T, H * D]
     torch.ops.backplane.lora_delta(x, out, handle)        # adds the LoRA delta into out: [T, N]
 
-Both declare `mutates_args=("out",)` and have fake implementations that check shapes only, so
+The first and the last declare `mutates_args=("out",)`; all have fake implementations that check shapes only, so
 Dynamo keeps them as single calls and Inductor fuses everything around them. The real
 implementation runs the configured backend eagerly (outside the compiled region): it finds the
 layer by `handle` (an int from `register_layer`) and the batch from `forward_context`, which the
@@ -74,6 +75,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 def _attention_fake(q, k, v, out, handle) -> None:
     torch._check(out.shape[0] == q.shape[0])
     return None
+
+
+@torch.library.custom_op("backplane::rotary_attention", mutates_args=())
+def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, handle: int,
+                     rotary_handle: int) -> torch.Tensor:
+    """q: [T, H * D], k, v: [T, H_kv * D] not yet rotated; positions: [T] -> the layer's attention [T, H * D].
+
+    The layer's eager path, rotary included, for a backend that may take K/V written together with
+    rotary (`fuses_rotary_kv_write`): the compiled graph then runs the same `rotary_kv_write` op as an
+    uncompiled one instead of Inductor's rotary plus the backend's own K/V write. NOTE: q and k may be
+    rotated in place, as in the eager path; the layer passes views nobody reads afterwards.
+    """
+    layer = _layer(handle)
+    o = layer.attend(q, k, v, current_batch(), _layer(rotary_handle), positions)
+    if any(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
+        o = o.clone()  # a custom op's output may not alias its inputs
+    return o
+
+
+@rotary_attention.register_fake
+def _rotary_attention_fake(q, k, v, positions, handle, rotary_handle) -> torch.Tensor:
+    torch._check(positions.shape[0] == q.shape[0])
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("backplane::lora_delta", mutates_args=("out",))

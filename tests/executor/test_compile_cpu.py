@@ -36,3 +36,26 @@ def test_compiled_decode_matches_eager_through_the_opaque_op(model_dir, monkeypa
     assert engine.runner.compiled_eager is not None
     assert _tokens(engine) == want
     assert calls, "compiled decode never went through torch.ops.backplane.attention"
+
+
+def test_compiled_triton_decode_keeps_the_fused_rotary_kv_write(monkeypatch):
+    """A backend that opts in to `fuses_rotary_kv_write` (triton, under the interpreter) gets the
+    same fused op under compile: rotary runs inside torch.ops.backplane.rotary_attention, not as
+    Inductor's rotary followed by the backend's own K/V write. Tokens equal the uncompiled run's."""
+    from backplane.layers import attention
+
+    kw = dict(device="cpu", dtype="float32", attention_backend="triton", max_total_tokens=1024,
+              max_running_requests=4)
+    want = _tokens(Engine("tiny-llama", **kw))  # head dim 64: a size the triton kernels take
+    fused_in_op = []
+    real = attention.Attention._forward_rotary_kv_write
+
+    def spy(self, *args):
+        fused_in_op.append(bool(opaque._BATCH))  # inside forward_context: called by the compiled forward's op
+        return real(self, *args)
+
+    monkeypatch.setattr(attention.Attention, "_forward_rotary_kv_write", spy)
+    engine = Engine("tiny-llama", enable_torch_compile=True, **kw)
+    assert engine.runner.compiled_eager is not None
+    assert _tokens(engine) == want
+    assert any(fused_in_op), "the compiled decode never ran rotary_kv_write inside the opaque op"
