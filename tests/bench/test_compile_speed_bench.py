@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-spec = importlib.util.spec_from_file_location("bench_compile_speed", BENCH / "compile_speed.py")
-compile_speed = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = compile_speed
-spec.loader.exec_module(compile_speed)
+from helpers_bench import load_bench
+
+compile_speed = load_bench("compile_speed")
 
 
 def test_repeats_alternate_and_the_ratio_is_of_medians(monkeypatch, tmp_path, capsys):

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "host_step.py"
+from helpers_bench import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_host_step", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("host_step")
 
 
 def test_smoke_run_reports_both_paths(tmp_path):

@@ -3,19 +3,11 @@ ideal, decode steps, the TTFT probes' cache hits) and the table."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_cache.py"
+from helpers_bench import load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_prefix_cache", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("prefix_cache")
 
 
 def test_smoke_run_reports_reuse_and_probe_hits():

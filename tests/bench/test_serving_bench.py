@@ -6,23 +6,12 @@ import importlib.util
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from helpers_bench import load_bench
 
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))  # bench/serving.py imports its siblings by name
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-client = _load("serving_client")
-serving = _load("serving")
+client = load_bench("serving_client")
+serving = load_bench("serving")
 
 
 def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate():
