@@ -5,7 +5,7 @@ weights) compiled with torch.compile(mode="reduce-overhead"), decoding at contex
 The engine: the whole `Engine.generate` loop at a fixed batch with ignore_eos, per step, as the
 difference of two runs of different output lengths (so prefill cancels), with overlap scheduling
 on and off. Also the weight-read floor (weight bytes / --hbm-tb-s) and, with --profile, where one
-bs-1 engine step's time goes (torch.profiler: device kernels against wall time).
+engine step's time goes at bs 1 and 32 (torch.profiler: device kernels against wall time).
 
   python bench/peer_decode.py --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer --out r.json
   python bench/peer_decode.py --models tiny-llama --backends torch_native --batch-sizes 1 2 --device cpu --no-compile
@@ -183,11 +183,12 @@ def _kernel_profile(engine: Engine, prompts, n: int) -> tuple[float, dict[str, t
     return wall * 1e3, kernels
 
 
-def profile_step(engine: Engine, context: int, steps: int = 32) -> dict:
-    """Where one bs-1 decode step's time goes, overlap on and off: wall time, device kernel time,
+def profile_step(engine: Engine, context: int, bs: int = 1, steps: int = 32) -> dict:
+    """Where one decode step of `bs` requests spends its time, overlap on and off: wall time, device kernel time,
     the rest (host work the device waits for, and launch gaps), kernel launches, the top kernels.
     Decode only: a generate of 1 + steps tokens minus one of 1 token (the prefill cancels)."""
-    prompts = [[i % min(1000, engine.runner.hf_config.vocab_size - 3) + 3 for i in range(context)]]
+    span = min(1000, engine.runner.hf_config.vocab_size - 3)
+    prompts = [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
     report = {}
     for overlap in (True, False):
         set_overlap(engine, overlap)
@@ -220,7 +221,7 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
         for on in (True, False):
             set_overlap(engine, on)
             row["engine_ms" if on else "engine_no_overlap_ms"] = engine_step_ms(engine, bs, ns.context, ns.steps)
-        row["profile_bs1"] = profile_step(engine, ns.context) if ns.profile and bs == 1 else None
+        row["profile"] = profile_step(engine, ns.context, bs) if bs in ns.profile else None
         set_overlap(engine, True)
         rows.append(row)
     engine.shutdown()
@@ -251,10 +252,10 @@ def table(rows: list[dict]) -> str:
                      f"{r['engine_ms']:>9.3f} {r['ratio']:>6.2f} {r['engine_no_overlap_ms']:>10.3f} "
                      f"{r['overlap_speedup']:>9.2f} {r['floor_ms']:>8.3f}")
     for r in rows:
-        p = r.get("profile_bs1")
+        p = r.get("profile")
         if not p:
             continue
-        lines.append(f"{r['model']} {r['backend']}, one bs-1 decode step (profiler): wall ms | kernels ms | "
+        lines.append(f"{r['model']} {r['backend']}, one bs-{r['batch_size']} decode step (profiler): wall ms | kernels ms | "
                      "host or gaps ms | launches")
         for name, q in p.items():
             lines.append(f"  {name:<11} {q['wall_ms']:7.3f} {q['kernel_ms']:7.3f} {q['host_or_gap_ms']:7.3f} "
@@ -278,11 +279,13 @@ def main() -> None:
     p.add_argument("--peer-attention", nargs="+", choices=["repeat", "gqa"], default=["repeat", "gqa"],
                    help="the peer's attention: K/V heads repeated to the query heads (gpt-fast) and/or SDPA's "
                         "enable_gqa; with both, the faster peer is the one compared")
-    p.add_argument("--profile", action="store_true", help="profile one bs-1 engine step per model/backend")
+    p.add_argument("--profile", type=int, nargs="*", default=None, metavar="BS",
+                   help="profile one engine step at these batch sizes (bare --profile: 1 and 32)")
     p.add_argument("--out")
     ns = p.parse_args()
     get_preset(ns.models[0])  # fail fast on a misspelt preset
     ns.hbm_tb_s = ns.hbm_tb_s or copy_bandwidth_tb_s(ns.device)
+    ns.profile = [] if ns.profile is None else (ns.profile or [1, 32])
     print(f"device copy bandwidth {ns.hbm_tb_s:.2f} TB/s (the weight-read floor's)")
     rows = [r for m in ns.models for b in ns.backends for r in measure_model(ns, m, b)]
     if ns.out:
