@@ -206,6 +206,29 @@ def profile_step(engine: Engine, context: int, bs: int = 1, steps: int = 32) -> 
     return report
 
 
+def host_functions(engine: Engine, context: int, bs: int, steps: int = 32, top: int = 30) -> dict[str, list]:
+    """The host's own time per decode step by function, overlap off (cProfile over a generate of
+    1 + steps tokens, divided by steps; prefill included): rows (function, self ms, cumulative ms),
+    the `top` by cumulative time ("cumulative": a backend's per-step plan, the scheduler, the
+    sampler) and by self time ("self": where the Python itself goes)."""
+    import cProfile
+    import pstats
+
+    span = min(1000, engine.runner.hf_config.vocab_size - 3)
+    prompts = [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
+    set_overlap(engine, False)
+    params = SamplingParams(max_new_tokens=1 + steps, temperature=0.0, ignore_eos=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    engine.generate(input_ids=prompts, sampling_params=params)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, prim calls, self s, cum s, callers)
+    rows = [(f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{name}", tt * 1e3 / steps, ct * 1e3 / steps)
+            for (path, _, name), (_, _, tt, ct, _) in stats.items() if "generate" not in name]
+    set_overlap(engine, True)
+    return {"cumulative": sorted(rows, key=lambda r: -r[2])[:top], "self": sorted(rows, key=lambda r: -r[1])[:top]}
+
+
 PEER_MS: dict[tuple[str, int, str], float] = {}  # (model, bs, attention) -> peer step ms, shared by the backends
 
 
@@ -222,6 +245,7 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
             set_overlap(engine, on)
             row["engine_ms" if on else "engine_no_overlap_ms"] = engine_step_ms(engine, bs, ns.context, ns.steps)
         row["profile"] = profile_step(engine, ns.context, bs) if bs in ns.profile else None
+        row["host_functions"] = host_functions(engine, ns.context, bs) if bs in ns.profile else None
         set_overlap(engine, True)
         rows.append(row)
     engine.shutdown()
@@ -262,6 +286,8 @@ def table(rows: list[dict]) -> str:
                          f"{q['launches']:6.0f}")
         lines.append("  top kernels (overlap): " + "; ".join(f"{k[:40]} {ms:.3f} ms x{n:.0f}"
                                                         for k, ms, n in p["overlap"]["top_kernels"][:5]))
+        lines.append("  host self ms per step (overlap off): " + "; ".join(
+            f"{name[:40]} {own:.3f}" for name, own, _ in r["host_functions"]["self"][:8]))
     return "\n".join(lines)
 
 
