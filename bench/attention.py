@@ -17,7 +17,9 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -32,7 +34,8 @@ from backplane.plugins.attention_triton.decode_kernels import decode_attention
 from backplane.plugins.attention_triton.extend_kernels import extend_attention
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
-PEAK_TBS = 4.30  # H200 HBM3e bandwidth the roofline ratio refers to
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import peak_bytes_per_s  # noqa: E402  (bench/timing.py: the card's measured copy bandwidth)
 DECODE_CASES = [(1, 4096), (16, 4096), (64, 4096), (256, 1024)]
 EXTEND_CASES = [(4, 0, 2048), (1, 0, 8192), (8, 2048, 256)]  # (batch, cached prefix, new tokens)
 
@@ -205,7 +208,7 @@ class Row:
     roofline: float = field(init=False)
 
     def __post_init__(self):
-        self.roofline = self.tb_per_s / PEAK_TBS
+        self.roofline = self.tb_per_s / (peak_bytes_per_s() / 1e12)
 
 
 def measure(timer: Timer, w: Workload, kind: str, case: str, impl: str, fn, reference, note="") -> Row:
@@ -343,10 +346,10 @@ def main() -> None:
         rows += bench_decode(timer, fi, workspace, args.sweep)
     if args.only != "decode":
         rows += bench_extend(timer, fi, workspace, args.sweep)
-    print(f"device: {torch.cuda.get_device_name()}  peak for roofline: {PEAK_TBS} TB/s")
+    print(f"device: {torch.cuda.get_device_name()}  peak for roofline: {peak_bytes_per_s() / 1e12:.2f} TB/s (measured copy)")
     print_table(rows)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "flashinfer": getattr(fi, "__version__", None) if fi else None, "peak_tb_per_s": PEAK_TBS,
+            "flashinfer": getattr(fi, "__version__", None) if fi else None, "peak_tb_per_s": peak_bytes_per_s() / 1e12,
             "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)

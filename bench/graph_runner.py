@@ -16,9 +16,13 @@ import json
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
-COPY_BANDWIDTH = 4.30e12  # bytes/s, device-to-device copy measured on the H200 (shared/device/README.md)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import peak_bytes_per_s  # noqa: E402  (bench/timing.py)
 
 
 def runner_for(model: str, backend: str, max_bs: int, context: int):
@@ -113,7 +117,7 @@ def main() -> None:
     a = p.parse_args()
     results = [bench_backend(a.model, b, a.batch_size, a.context, a.steps) for b in a.backends]
     hf_ms = hf_decode_step_ms(a.model, a.context)
-    floor_ms = results[0]["weight_bytes"] / COPY_BANDWIDTH * 1e3
+    floor_ms = results[0]["weight_bytes"] / peak_bytes_per_s() * 1e3
     print(f"\n{a.model}, context {a.context}, bf16; weight-read floor {floor_ms:.3f} ms; "
           f"transformers eager decode step at batch 1: {hf_ms:.2f} ms")
     print(f"{'backend':>10} {'bs':>4} {'eager ms':>9} {'graph ms':>9} {'eager/graph':>11} {'graph/floor':>11} "

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_graph  # noqa: E402  (bench/timing.py)
+from timing import peak_bytes_per_s, time_graph  # noqa: E402  (bench/timing.py)
 
-PEAK_BYTES_PER_S = 4.30e12  # measured device-to-device copy on the H200 machine
 TUNED_CONFIGS: list[str | None] = [None]  # the table the kernel timings use (None: the bundled one, if any)
 
 
@@ -123,7 +122,7 @@ def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device:
         per_group[name] = {"fused_us": time_us(lambda g=group: g.lora(fused), device),
                            "fused_automatic_us": time_us(lambda g=group: g.lora(automatic), device),
                            "segmented_us": time_us(lambda g=group: g.lora(segmented), device),
-                           "floor_us": group.bytes_per_adapter() * distinct / PEAK_BYTES_PER_S * 1e6,
+                           "floor_us": group.bytes_per_adapter() * distinct / peak_bytes_per_s(device.type) * 1e6,
                            "tuned": len(fused.tuned) > 0}
     keys = ("fused_us", "fused_automatic_us", "segmented_us", "floor_us")
     totals = {key: sum(g[key] for g in per_group.values()) for key in keys}

@@ -23,9 +23,8 @@ from backplane.lora.batch_info import LoraBatchInfo
 from backplane.lora.torch_native import TorchNativeLoraBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_graph  # noqa: E402  (bench/timing.py)
+from timing import peak_bytes_per_s, time_graph  # noqa: E402  (bench/timing.py)
 
-PEAK_BYTES_PER_S = 4.30e12  # measured device-to-device copy on the H200 machine
 HIDDEN, INTER, N_Q, N_KV = 2048, 8192, 32 * 64, 8 * 64
 NUM_LAYERS = 16
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -88,7 +87,7 @@ class Projection:
     def floor_us(self, num_adapters: int) -> float:
         """Reading A and B of the adapters in the batch once, at the measured peak bandwidth."""
         weight_bytes = (self.a[0].numel() + self.b[0].numel()) * self.a.element_size() * num_adapters
-        return weight_bytes / PEAK_BYTES_PER_S * 1e6
+        return weight_bytes / peak_bytes_per_s() * 1e6
 
 
 def check_against_reference(proj: Projection, backend, info: LoraBatchInfo, ctx) -> None:

@@ -5,7 +5,7 @@ several token counts. Each op is timed inside a CUDA graph (median over replays 
 20 calls, CUDA events: kernel time without launch overhead) as triton, native (eager torch ops) and
 native under torch.compile (Inductor's fused kernels), plus one eager call of triton and native
 (with launch overhead, what an eager decode step pays). `GB/s` is the bytes an op must move over
-the triton time, against the 4.30 TB/s measured copy ceiling.
+the triton time, against the card's measured copy bandwidth.
 
     python bench/ops.py --out ops.json
 """
@@ -27,9 +27,8 @@ from backplane.ops.rope import build_cos_sin_cache
 from backplane.plugins.ops_triton import ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_graph  # noqa: E402  (bench/timing.py)
+from timing import peak_bytes_per_s, time_graph  # noqa: E402  (bench/timing.py)
 
-PEAK_BYTES_PER_S = 4.30e12
 HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 NUM_SLOTS = 65536
 DTYPE = torch.bfloat16
@@ -111,7 +110,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "dtype": str(DTYPE),
-                       "peak_bytes_per_s": PEAK_BYTES_PER_S, "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "peak_bytes_per_s": peak_bytes_per_s(), "rows": [asdict(r) for r in rows]}, f, indent=1)
     print(f"{'op':<20}{'tokens':>7}{'triton':>9}{'native':>9}{'compiled':>10}{'x native':>9}{'x compiled':>11}"
           f"{'eager tr':>10}{'eager nat':>10}{'GB/s':>8}")
     for r in rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Callable
 
@@ -54,3 +55,10 @@ def copy_bandwidth_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 
     del src, dst
     torch.cuda.empty_cache()
     return tb_s
+
+
+@functools.cache
+def peak_bytes_per_s(device: str | None = None) -> float:
+    """The floors' memory speed in bytes/s: the card's measured copy bandwidth, once per process
+    (device None: CUDA when there is one; off CUDA the H200's figure)."""
+    return copy_bandwidth_tb_s(device or ("cuda" if torch.cuda.is_available() else "cpu")) * 1e12
