@@ -29,6 +29,10 @@ class TritonAttnBackend(AttentionBackend):
         self.kv_pool = ctx.token_to_kv_pool
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self.graph_buffers: GraphBuffers | None = None
+        # Decode with few KV splits merges inside its first kernel; these counters (one per request
+        # row and KV head, every launch leaves them zero) order the slices of a group.
+        self.merge_counters = torch.zeros(self.req_to_token.shape[0] * ctx.num_kv_heads, dtype=torch.int32,
+                                          device=self.device)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -115,7 +119,7 @@ class TritonAttnBackend(AttentionBackend):
         return decode_attention(
             q, k_buffer, v_buffer, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens,
             layer.scaling, meta.num_kv_splits, softcap=layer.logit_softcap, window=layer.sliding_window,
-            attn_logits=meta.attn_logits, attn_lse=meta.attn_lse,
+            attn_logits=meta.attn_logits, attn_lse=meta.attn_lse, merge_counters=self.merge_counters,
         )
 
     def _metadata(self, kind: type, batch: ForwardBatch) -> Any:

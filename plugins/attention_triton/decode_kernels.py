@@ -4,6 +4,10 @@ Stage 1, grid (batch, num_kv_heads, num_kv_splits): one program takes every quer
 KV-head group (padded to BLOCK_H >= 16 rows so the scores are one tl.dot) over one slice of the
 request's keys, read through req_to_token, and writes the slice's normalised partial output and
 its log-sum-exp. Stage 2, grid (batch, num_heads): merges the slices with log-sum-exp weights.
+With at most FUSED_MERGE_MAX_SPLITS splits and a counters buffer, stage 2 runs inside stage 1
+instead: the last program of a (request, KV head) to finish its slice (an atomic counter, re-armed
+by that program) merges the group's few slices, which saves a launch a layer where the batch is
+large enough to need few splits; with many splits one program merging them all would be slower.
 
 The grid depends only on the batch size, the head counts and `num_kv_splits`, never on sequence
 lengths, so both launches can be captured in a CUDA graph. Inside the kernel a request uses
@@ -37,15 +41,46 @@ def _split_geometry(seq_len, num_splits, window, BLOCK_N: tl.constexpr, MIN_SPLI
     return lo, split_len
 
 
+FUSED_MERGE_MAX_SPLITS = 4  # up to this many splits, the last program of a group merges them
+
+
+@triton.jit
+def _merge_group(Mid_o, Mid_lse, O, b, heads, mask_h, offs_dv, mask_dv, num_used,
+                 stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                 BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """O[b, heads] = the log-sum-exp-weighted mean of the first num_used slices' partials (stage 2
+    for one KV-head group). The loads bypass L1 (.cg): other programs wrote those slices."""
+    lse_rows = Mid_lse + b * stride_lb + heads * stride_lh
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    slot = tl.zeros([BLOCK_H], dtype=tl.int32)  # the slice index, per head row
+    for s in tl.static_range(MAX_SPLITS):
+        lse = tl.load(lse_rows + s, mask=mask_h & (slot + s < num_used), other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, lse)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in tl.static_range(MAX_SPLITS):
+        used = mask_h & (slot + s < num_used)
+        lse = tl.load(lse_rows + s, mask=used, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.where(used, tl.exp2(lse - m), 0.0)
+        part = tl.load(Mid_o + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + offs_dv[None, :],
+                       mask=used[:, None] & mask_dv[None, :], other=0.0, cache_modifier=".cg")
+        acc += part * weight[:, None]
+        total += weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=mask_h[:, None] & mask_dv[None, :])
+
+
 @triton.jit
 def _decode_split_kernel(
-    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
-    sm_scale, softcap, window, num_splits,
+    Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, O, Counters,
+    sm_scale, softcap, window, num_splits, num_kv_heads,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,6 +116,16 @@ def _decode_split_kernel(
         mid = Mid_o + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
         tl.store(mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(Mid_lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
+        if FUSE_MERGE:
+            # Slices with keys: lo + s * split_len < seq_len, i.e. the programs that reach this point.
+            num_used = tl.minimum((seq_len - lo + split_len - 1) // split_len, num_splits)
+            counter = Counters + b * num_kv_heads + kv_head
+            tl.debug_barrier()  # NOTE: every thread's stores happen before the release below
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:  # the last slice to finish
+                _merge_group(Mid_o, Mid_lse, O, b, heads, mask_h, offs_dv, mask_dv, num_used,
+                             stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+                             BLOCK_H, BLOCK_DV, MAX_SPLITS)
+                tl.atomic_xchg(counter, 0)  # re-armed for the next launch (and graph replay)
 
 
 @triton.jit
@@ -123,6 +168,7 @@ def decode_attention(
     attn_logits: torch.Tensor | None = None,
     attn_lse: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over all its cached keys; writes and returns `o`.
 
@@ -134,6 +180,8 @@ def decode_attention(
     softcap: 0 for none; window: keys at p > seq_len - 1 - window are visible, 0 for no window
     attn_logits: [>= bs, num_heads, >= num_kv_splits, v_dim] fp32 and attn_lse: [>= bs, num_heads,
       >= num_kv_splits] fp32, scratch buffers (allocated here when None; pass fixed ones for graphs)
+    merge_counters: [>= bs * num_kv_heads] int32, zero, caller-owned (every launch leaves it zero):
+      with at most FUSED_MERGE_MAX_SPLITS splits the merge runs inside the first kernel (one launch)
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[2]
@@ -147,17 +195,24 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_d, block_dv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_dim)
     use_window = window > 0
+    fuse_merge = merge_counters is not None and num_kv_splits <= FUSED_MERGE_MAX_SPLITS
+    if fuse_merge and merge_counters.numel() < bs * num_kv_heads:
+        raise ValueError(f"decode_attention: merge_counters holds {merge_counters.numel()} counters; expected at "
+                         f"least batch {bs} x {num_kv_heads} KV heads")
     _decode_split_kernel[(bs, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse,
-        scaling, softcap, window, num_kv_splits,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
+        merge_counters if fuse_merge else attn_lse, scaling, softcap, window, num_kv_splits, num_kv_heads,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
-        attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1),
+        attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1),
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
         USE_SOFTCAP=softcap > 0, USE_WINDOW=use_window, DOT_PRECISION=dot_precision(q.dtype),
+        FUSE_MERGE=fuse_merge, MAX_SPLITS=FUSED_MERGE_MAX_SPLITS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if fuse_merge:
+        return o
     _decode_merge_kernel[(bs, num_heads)](
         attn_logits, attn_lse, o, seq_lens, window, num_kv_splits,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), attn_lse.stride(0),

@@ -97,8 +97,11 @@ DECODE = [
 ]
 
 
+@pytest.mark.parametrize("merge", ["separate", "in-kernel"])
 @pytest.mark.parametrize("lens,heads,kv_heads,head_dim,splits,softcap,window", DECODE)
-def test_decode_bf16(lens, heads, kv_heads, head_dim, splits, softcap, window):
+def test_decode_bf16(lens, heads, kv_heads, head_dim, splits, softcap, window, merge):
+    """merge="in-kernel" passes merge counters: with at most FUSED_MERGE_MAX_SPLITS splits the
+    last slice of each group merges (atomics across programs), and the counters end at zero."""
     gen = torch.Generator().manual_seed(heads * head_dim + (lens if isinstance(lens, int) else len(lens)))
     seq_lens = torch.randint(1, 1001, (lens,), generator=gen).tolist() if isinstance(lens, int) else lens
     k_buf, v_buf, r2t, rows = make_pool(seq_lens, kv_heads, head_dim, gen)
@@ -106,8 +109,12 @@ def test_decode_bf16(lens, heads, kv_heads, head_dim, splits, softcap, window):
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     splits = splits or choose_num_kv_splits(len(seq_lens), kv_heads, max(seq_lens), q.device, 64)
     scaling = 1.0 if softcap else head_dim**-0.5
-    o = decode_attention(q, k_buf, v_buf, torch.empty_like(q), r2t, rows, sl, scaling, splits,
-                         softcap=softcap, window=window)
+    counters = torch.zeros(len(seq_lens) * kv_heads, dtype=torch.int32, device="cuda") if merge == "in-kernel" else None
+    for _ in range(2 if counters is not None else 1):  # a second launch on the re-armed counters
+        o = decode_attention(q, k_buf, v_buf, torch.empty_like(q), r2t, rows, sl, scaling, splits,
+                             softcap=softcap, window=window, merge_counters=counters)
+    if counters is not None:
+        assert not bool(counters.any()), "a merge counter was left armed"
     for b, n in enumerate(seq_lens):
         keys, values = gather(k_buf, v_buf, r2t, rows[b], n)
         ref = reference(q[b : b + 1], keys, values, sl[b : b + 1] - 1, scaling, softcap, window)

@@ -29,7 +29,7 @@ from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo
 from backplane.executor.batch import ForwardBatch, ForwardMode  # noqa: E402
 from backplane.executor.memory import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from backplane.plugins import attention_triton  # noqa: E402
-from backplane.plugins.attention_triton.decode_kernels import decode_attention  # noqa: E402
+from backplane.plugins.attention_triton.decode_kernels import FUSED_MERGE_MAX_SPLITS, decode_attention  # noqa: E402
 from backplane.plugins.attention_triton.extend_kernels import extend_attention  # noqa: E402
 from backplane.plugins.attention_triton.options import TritonAttentionOptions  # noqa: E402
 from backplane.plugins.attention_triton.verify_kernels import verify_attention  # noqa: E402
@@ -128,6 +128,39 @@ def test_decode_kernel(seq_lens, heads, kv_heads, head_dim, dtype, splits, softc
         keys, values = pool.request_kv(b)
         ref = reference(q[b : b + 1], keys, values, torch.tensor([n - 1]), scaling, softcap, window)
         torch.testing.assert_close(o[b : b + 1].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim,dtype,splits,softcap,window",
+                         [c for c in DECODE_CASES if c[5] <= FUSED_MERGE_MAX_SPLITS] + [
+                             ([300, 1, 64, 129, 2], 8, 2, 64, torch.float32, 4, 0.0, 0),  # some use fewer slices
+                             ([200, 17], 4, 4, 128, torch.float16, 3, 0.0, 40)])
+def test_decode_kernel_merging_in_the_first_kernel(seq_lens, heads, kv_heads, head_dim, dtype, splits, softcap,
+                                                   window):
+    """With merge counters and few splits the last slice of each group merges (one launch); the
+    result equals the reference and every counter is back to zero (ready for the next launch)."""
+    gen = torch.Generator().manual_seed(len(seq_lens) * 999 + head_dim + splits)
+    pool = make_pool(seq_lens, kv_heads, head_dim, dtype, gen)
+    q = torch.randn((len(seq_lens), heads, head_dim), generator=gen).to(dtype)
+    scaling = 1.0 if softcap else head_dim**-0.5
+    counters = torch.zeros(len(seq_lens) * kv_heads + 3, dtype=torch.int32)
+    for _ in range(2):  # the second launch finds the counters re-armed by the first
+        o = torch.full_like(q, float("nan"))
+        decode_attention(q, pool.k_buffer, pool.v_buffer, o, pool.req_to_token, pool.req_pool_indices,
+                         pool.seq_lens, scaling, splits, softcap=softcap, window=window, merge_counters=counters)
+        assert not bool(counters.any()), "a merge counter was left armed"
+        for b, n in enumerate(seq_lens):
+            keys, values = pool.request_kv(b)
+            ref = reference(q[b : b + 1], keys, values, torch.tensor([n - 1]), scaling, softcap, window)
+            torch.testing.assert_close(o[b : b + 1].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_kernel_too_few_merge_counters_is_an_error():
+    gen = torch.Generator().manual_seed(3)
+    pool = make_pool([5, 9], 2, 32, torch.float32, gen)
+    q = torch.randn((2, 4, 32), generator=gen)
+    with pytest.raises(ValueError, match=r"merge_counters holds 3 counters; expected at least batch 2 x 2 KV heads"):
+        decode_attention(q, pool.k_buffer, pool.v_buffer, torch.empty_like(q), pool.req_to_token,
+                         pool.req_pool_indices, pool.seq_lens, 0.3, 2, merge_counters=torch.zeros(3, dtype=torch.int32))
 
 
 def test_decode_kernel_uses_preallocated_scratch_larger_than_needed():
