@@ -4,11 +4,12 @@ With page size 1 every KV-pool slot is a page, so a request's page list is its r
 `req_to_token`: kv_indices[kv_indptr[i] : kv_indptr[i + 1]] = req_to_token[req_pool_indices[i], :kv_len_i],
 and every last page holds exactly one token. The small indptr arrays are built on the host from
 the host copies of the lengths (FlashInfer's plan() reads them there anyway); only the long
-kv_indices array is built on the device.
+kv_indices array is built on the device, in one Triton launch on CUDA.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,21 @@ def build_kv_indices(
     req_pool_indices: torch.Tensor,
     kv_indptr: torch.Tensor,
     out: torch.Tensor,
+    use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Gather each request's first kv_len slots from req_to_token into `out`, back to back.
 
     req_to_token: [num_rows, max_context_len] int32; req_pool_indices: [batch_size];
     kv_indptr: [batch_size + 1] on the same device; out: [kv_indptr[-1]] int32, filled and returned.
-    Uses only device ops whose output sizes are known on the host (no synchronisation).
+    use_kernel: one Triton launch (index_kernel.py; default on CUDA when triton imports), else
+    torch ops whose output sizes are known on the host. Neither synchronises.
     """
+    if use_kernel is None:
+        use_kernel = req_to_token.is_cuda and importlib.util.find_spec("triton") is not None
+    if use_kernel:
+        from backplane.plugins.attention_flashinfer.index_kernel import gather_kv_indices
+
+        return gather_kv_indices(req_to_token, req_pool_indices, kv_indptr, out)
     num_indices = out.numel()
     device = req_to_token.device
     batch_size = req_pool_indices.numel()

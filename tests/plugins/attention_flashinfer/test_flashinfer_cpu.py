@@ -150,6 +150,21 @@ def test_kv_indices_match_a_loop_over_requests():
         make_span(req_to_token, rows, lens, indptr_buf, indices_buf[:50])
 
 
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
+def test_build_kv_indices_paths_match_a_loop(use_kernel):
+    """Both gathers (torch ops; the one-launch Triton kernel, here under the interpreter) over rows
+    longer than the kernel's block, empty requests and repeated rows."""
+    torch.manual_seed(2)
+    req_to_token = torch.randint(1, 5000, (6, 1300), dtype=torch.int32)
+    rows = torch.tensor([5, 0, 2, 2, 4, 1])
+    lens = torch.tensor([1300, 0, 513, 1, 512, 37])
+    indptr = indptr_from_lens(lens)
+    out = torch.full((int(indptr[-1]) + 4,), -1, dtype=torch.int32)
+    build_kv_indices(req_to_token, rows, indptr, out[: int(indptr[-1])], use_kernel=use_kernel)
+    expected = torch.cat([req_to_token[r, :n] for r, n in zip(rows.tolist(), lens.tolist())])
+    assert torch.equal(out[: int(indptr[-1])], expected) and out[-4:].tolist() == [-1] * 4
+
+
 def test_build_kv_indices_empty_and_indptr():
     assert indptr_from_lens(torch.tensor([2, 0, 5])).tolist() == [0, 2, 2, 7]
     out = torch.empty(0, dtype=torch.int32)
