@@ -4,7 +4,8 @@ The peer: a plain-PyTorch Llama (static KV cache, greedy tokens fed back on the 
 weights) compiled with torch.compile(mode="reduce-overhead"), decoding at context `--context`.
 The engine: the whole `Engine.generate` loop at a fixed batch with ignore_eos, per step, as the
 difference of two runs of different output lengths (so prefill cancels), with overlap scheduling
-on and off. Also the weight-read floor (weight bytes / --hbm-tb-s) and, with --profile, where one
+on and off; and the decode graph's replay alone (CUDA events around each replay inside a
+generate). Also the weight-read floor (weight bytes / --hbm-tb-s) and, with --profile, where one
 engine step's time goes at bs 1 and 32 (torch.profiler: device kernels against wall time).
 
   python bench/peer_decode.py --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer --out r.json
@@ -153,6 +154,42 @@ def engine_step_ms(engine: Engine, bs: int, context: int, steps: int) -> float:
     return (long - short) * 1e3 / steps
 
 
+class _TimedGraph:
+    """A captured graph whose replays record CUDA events around them (no host wait)."""
+
+    def __init__(self, graph, events: list):
+        self.graph, self.events = graph, events
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.events.append((start, end))
+
+
+def replay_ms(engine: Engine, bs: int, context: int, steps: int) -> float | None:
+    """The median device time of one decode graph replay of `bs` requests, inside a real generate
+    (CUDA events around each replay of the engine's own graphs; the host work around it excluded).
+    None without graphs."""
+    runner = engine.runner.graph_runner
+    if runner is None or engine.runner.device.type != "cuda":
+        return None
+    events: list = []
+    original = dict(runner.graphs)
+    runner.graphs = {key: _TimedGraph(graph, events) for key, graph in original.items()}
+    try:
+        span = min(1000, engine.runner.hf_config.vocab_size - 3)
+        prompts = [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
+        engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=1 + steps, temperature=0.0,
+                                                                          ignore_eos=True))
+        sync(engine.runner.device)
+    finally:
+        runner.graphs = original
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2] if times else None
+
+
 def weight_floor_ms(engine: Engine, tb_s: float) -> float:
     """Bytes every decode step must read (all weights but the embedding table, unless tied) / bandwidth."""
     model = engine.runner.model
@@ -244,6 +281,7 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
         for on in (True, False):
             set_overlap(engine, on)
             row["engine_ms" if on else "engine_no_overlap_ms"] = engine_step_ms(engine, bs, ns.context, ns.steps)
+        row["replay_ms"] = replay_ms(engine, bs, ns.context, ns.steps)
         row["profile"] = profile_step(engine, ns.context, bs) if bs in ns.profile else None
         row["host_functions"] = host_functions(engine, ns.context, bs) if bs in ns.profile else None
         set_overlap(engine, True)
@@ -270,11 +308,13 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'model':<14} {'backend':<12} {'bs':>3} {'peer ms':>8} {'engine ms':>9} {'ratio':>6} "
-             f"{'no-overlap':>10} {'overlap x':>9} {'floor ms':>8}"]
+             f"{'no-overlap':>10} {'overlap x':>9} {'floor ms':>8} {'replay ms':>9} {'replay/floor':>12}"]
     for r in rows:
+        replay = r.get("replay_ms")
+        replay_cols = f"{replay:>9.3f} {replay / r['floor_ms']:>12.2f}" if replay else f"{'-':>9} {'-':>12}"
         lines.append(f"{r['model']:<14} {r['backend']:<12} {r['batch_size']:>3} {r['peer_ms']:>8.3f} "
                      f"{r['engine_ms']:>9.3f} {r['ratio']:>6.2f} {r['engine_no_overlap_ms']:>10.3f} "
-                     f"{r['overlap_speedup']:>9.2f} {r['floor_ms']:>8.3f}")
+                     f"{r['overlap_speedup']:>9.2f} {r['floor_ms']:>8.3f} {replay_cols}")
     for r in rows:
         p = r.get("profile")
         if not p:
