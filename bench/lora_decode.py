@@ -259,12 +259,14 @@ def format_tables(report: dict) -> str:
                 lines.append(f"    WARNING: some {name} steps at bs {bs} ran eagerly (no captured graph)")
     tuned = any(g["tuned"] for row in report["kernels"] for g in row["groups"].values())
     lines += ["", "LoRA kernels per layer (us): fused decode kernel (" + ("tuned table" if tuned else "no tuned table")
-              + ") | the same with the read model's launches | segmented kernels | read floor",
-              f"{'T':>3} {'rank':>4} {'fused':>7} {'model':>7} {'segm.':>7} {'floor':>6} {'fused/floor':>11} {'one graph':>9}"]
+              + ") warm and cold (L2 flushed first, as in a model step) | the read model's launches | segmented "
+              "kernels warm and cold | read floor | cold fused / floor",
+              f"{'T':>3} {'rank':>4} {'fused':>7} {'cold':>7} {'model':>7} {'segm.':>7} {'cold':>7} {'floor':>6} "
+              f"{'fused/floor':>11} {'one graph':>9}"]
     for row in report["kernels"]:
-        lines.append(f"{row['tokens']:>3} {row['rank']:>4} {row['fused_us']:7.2f} {row['fused_automatic_us']:7.2f} "
-                     f"{row['segmented_us']:7.2f} {row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} "
-                     f"{row['layer_graph_us']:9.2f}")
+        lines.append(f"{row['tokens']:>3} {row['rank']:>4} {row['fused_us']:7.2f} {row['fused_cold_us']:7.2f} "
+                     f"{row['fused_automatic_us']:7.2f} {row['segmented_us']:7.2f} {row['segmented_cold_us']:7.2f} "
+                     f"{row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} {row['layer_graph_us']:9.2f}")
     th = report["threshold"]
     lines.append(f"at the fused path's limit, T {th['tokens']} rank {th['rank']}: fused {th['fused_us']:.2f} us, "
                  f"segmented {th['segmented_us']:.2f} us per layer")

@@ -30,13 +30,15 @@ def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
             "gate_up": (c.hidden_size, [c.intermediate_size] * 2), "down": (c.intermediate_size, [c.hidden_size])}
 
 
-def time_us(fn, device: torch.device, reps_in_graph: int = 20, replays: int = 30) -> float:
+def time_us(fn, device: torch.device, reps_in_graph: int = 20, replays: int = 30, cold: bool = False) -> float:
+    """Microseconds of one fn(): in a CUDA graph on CUDA (cold: L2 flushed before each call, as in a
+    model step where the adapters' weights are not in L2), one host-timed call elsewhere."""
     if device.type != "cuda":
         fn()
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
-    return time_graph(fn, reps_in_graph, replays)
+    return time_graph(fn, reps_in_graph, replays, cold=cold)
 
 
 class Group:
@@ -120,23 +122,28 @@ def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device:
     for name, group in groups.items():
         _check(group, fused, ctx, info)
         per_group[name] = {"fused_us": time_us(lambda g=group: g.lora(fused), device),
+                           "fused_cold_us": time_us(lambda g=group: g.lora(fused), device, cold=True),
+                           "segmented_cold_us": time_us(lambda g=group: g.lora(segmented), device, cold=True),
                            "fused_automatic_us": time_us(lambda g=group: g.lora(automatic), device),
                            "segmented_us": time_us(lambda g=group: g.lora(segmented), device),
                            "floor_us": group.bytes_per_adapter() * distinct / peak_bytes_per_s(device.type) * 1e6,
                            "tuned": len(fused.tuned) > 0}
-    keys = ("fused_us", "fused_automatic_us", "segmented_us", "floor_us")
+    keys = ("fused_us", "fused_cold_us", "fused_automatic_us", "segmented_us", "segmented_cold_us", "floor_us")
     totals = {key: sum(g[key] for g in per_group.values()) for key in keys}
     layer_graph = time_us(lambda: [g.lora(fused) for g in groups.values()], device)
     return {"rank": rank, "tokens": tokens, "distinct_adapters": distinct, **totals,
-            "fused_vs_floor": totals["fused_us"] / totals["floor_us"], "layer_graph_us": layer_graph,
+            # the cold figure: the floor reads from HBM, as a model step's LoRA kernels do
+            "fused_vs_floor": totals["fused_cold_us"] / totals["floor_us"], "layer_graph_us": layer_graph,
             "groups": per_group}
 
 
 def tune_fused(model: str, ranks: list[int], token_counts: list[int], num_adapters: int, device: torch.device,
                spans=(128, 256, 512, 1024, 2048), splits=(1, 2, 4, 8, 16), warps=(2, 4, 8)) -> dict:
     """Every launch setting the fused kernel's buffers allow, per projection group, rank and token
-    count: each result checked against torch_native, the fastest kept. Returns the tuned table
-    (plugins/lora_triton/tuned.py's JSON) with the automatic setting's time beside each entry."""
+    count: each result checked against torch_native, the fastest kept, timed with L2 flushed before
+    every call (`cold`: in a model step the adapters' weights come from HBM, and a latency-bound
+    kernel ranks differently on warm L2). Returns the tuned table (plugins/lora_triton/tuned.py's
+    JSON) with the automatic setting's time beside each entry."""
     import triton
 
     from backplane.plugins.lora_triton.fused import MAX_GROUPS, MIN_SPLIT_K, FusedConfig, tile_sizes
@@ -160,10 +167,10 @@ def tune_fused(model: str, ranks: list[int], token_counts: list[int], num_adapte
                             config = FusedConfig(span=span, split_k=split_k, num_warps=num_warps)
                             backend = _backend(ctx, info, fused_config=config)
                             _check_against(group, backend, want)
-                            us = time_us(lambda g=group, b=backend: g.lora(b), device)
+                            us = time_us(lambda g=group, b=backend: g.lora(b), device, cold=True)
                             if best is None or us < best[0]:
                                 best = (us, config)
-                auto_us = time_us(lambda g=group, b=auto: g.lora(b), device)
+                auto_us = time_us(lambda g=group, b=auto: g.lora(b), device, cold=True)
                 block_t, block_r = tile_sizes(tokens, rank)
                 us, config = best
                 entries.append({"group": name, "tokens": tokens, "rank": rank, "k": k, "widths": widths,

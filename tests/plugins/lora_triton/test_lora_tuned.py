@@ -135,7 +135,8 @@ def test_the_tuner_keeps_the_fastest_checked_setting_per_group(monkeypatch, tmp_
 
     timed = []
 
-    def fake_time_us(fn, device, *args):  # the setting a timing ran with, from the bench's lambda
+    def fake_time_us(fn, device, *args, cold=False):  # the setting a timing ran with, from the bench's lambda
+        assert cold, "the tuner times each setting with L2 flushed first, as in a model step"
         fn()
         config = fn.__defaults__[-1].tuning.fused_config
         automatic = config == FusedConfig()
