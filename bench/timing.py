@@ -16,16 +16,30 @@ def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int =
     """Median microseconds of one fn() call, from replays of a graph holding reps_in_graph calls
     (warmed up on a side stream first, so lazy initialisation stays out of the graph).
 
-    cold: every call follows a write of L2_FLUSH_BYTES, so fn's operands come from HBM as inside a
-    model step (back-to-back calls would find them in L2, which flatters latency-bound kernels);
-    the flush's own time, from a graph of flushes alone, is subtracted.
+    cold: instead, eager calls each after a write of L2_FLUSH_BYTES, timed by CUDA events around the
+    call alone (as triton.testing.do_bench does), so fn's operands come from HBM as inside a model
+    step; back-to-back calls would find them in L2, which flatters latency-bound kernels. The flush
+    keeps the device busy while the host enqueues fn, so the events see the kernels, not the launch.
     """
-    if not cold:
-        return _graph_median_us(fn, reps_in_graph, replays)
+    if cold:
+        return _cold_median_us(fn, reps_in_graph * 3)
+    return _graph_median_us(fn, reps_in_graph, replays)
+
+
+def _cold_median_us(fn: Callable[[], object], reps: int) -> float:
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    both = _graph_median_us(lambda: (flush.zero_(), fn()), reps_in_graph, replays)
-    alone = _graph_median_us(flush.zero_, reps_in_graph, replays)
-    return both - alone
+    for _ in range(3):
+        fn()
+    pairs = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) * 1000 for start, end in pairs)
 
 
 def _graph_median_us(fn: Callable[[], object], reps_in_graph: int, replays: int) -> float:
