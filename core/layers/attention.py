@@ -93,7 +93,8 @@ class Attention(nn.Module):
 def _may_fuse(backend: Any) -> bool:
     """Whether `backend`'s class overrides `fuses_rotary_kv_write`: a constant of the class, which
     Dynamo folds while tracing; the per-batch answer is asked at run time, inside the opaque op."""
-    return type(backend).fuses_rotary_kv_write is not AttentionBackend.fuses_rotary_kv_write
+    opted_in = getattr(type(backend), "fuses_rotary_kv_write", None)
+    return opted_in is not None and opted_in is not AttentionBackend.fuses_rotary_kv_write
 
 
 def _fuses(backend: Any, batch: ForwardBatch) -> bool:
