@@ -33,15 +33,9 @@ def build_extend_batch(reqs: list[Req], chunks: list[int], kv_pool: TokenToKVPoo
     seq_lens = [p + n for p, n in zip(prefix, chunks)]
     batch = _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_pool, kv_pool,
                         prefix=prefix, extend=chunks)
-    batch.host.prefix_slots = _prefix_slots(reqs)
+    # NOTE: the lists themselves, joined only if asked: their first num_cached slots never change.
+    batch.host.prefix_parts = [(req.slots, n) for req, n in zip(reqs, prefix) if n]
     return batch
-
-
-def _prefix_slots(reqs: list[Req]) -> torch.Tensor | None:
-    """[sum num_cached] int64 (host): each request's slots of its cached tokens, request after
-    request, from the host record `req.slots` (what req_to_token[row, :num_cached] holds)."""
-    parts = [torch.cat(req.slots)[:req.num_cached] for req in reqs if req.num_cached]
-    return torch.cat(parts) if parts else None
 
 
 def build_decode_batch(reqs: list[Req], kv_pool: TokenToKVPool, req_pool: ReqToTokenPool,

@@ -7,7 +7,7 @@ vectors so that backends can plan on the host without a device synchronisation.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -22,17 +22,25 @@ class HostBatch:
 
     input_ids, positions, out_cache_loc: [num_tokens] int64; req_pool_indices: [batch_size] int64.
     input_ids are the ids as built: a token still in flight under overlap scheduling is its
-    negative placeholder (the device copy is resolved, this one is not). prefix_slots: EXTEND
-    only, req_to_token[row, :prefix_len] of every request, request after request [sum prefix]
-    int64, or None when no request has a prefix. Reading these never waits for the device, which
-    is why tensor parallelism sends them (backplane.distributed.batch_sync).
+    negative placeholder (the device copy is resolved, this one is not). prefix_parts: EXTEND
+    only, (slot tensors, prefix length) of each request with a cached prefix, from the host record
+    `req.slots`; `prefix_slots` joins them only when asked (tensor parallelism), so a single-device
+    prefill pays nothing for it. Reading these never waits for the device, which is why tensor
+    parallelism sends them (backplane.distributed.batch_sync).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
-    prefix_slots: torch.Tensor | None = None
+    prefix_parts: list[tuple[list[torch.Tensor], int]] = field(default_factory=list)
+
+    @property
+    def prefix_slots(self) -> torch.Tensor | None:
+        """[sum prefix] int64: req_to_token[row, :prefix_len] of every request with a prefix, request
+        after request, or None when none has one."""
+        parts = [torch.cat(slots)[:n] for slots, n in self.prefix_parts]
+        return torch.cat(parts) if parts else None
 
     @property
     def has_placeholders(self) -> bool:

@@ -11,7 +11,8 @@ let backends plan on the host without a device synchronisation.
 
 Nothing goes to the device when a batch has the same segments as the one before (a decode step of
 the same requests): `update_` compares the given values with the last ones on the host, before
-making any tensor of them, and skips the copy (`num_device_copies` counts the copies made). The slot vectors (ranks, scalings) are copied only when the slot pool changes.
+making any tensor of them, and skips the copy (`num_device_copies` counts the copies made). The
+slot vectors (ranks, scalings) are copied only when the slot pool changes.
 """
 
 from __future__ import annotations
