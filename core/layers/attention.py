@@ -45,12 +45,11 @@ class Attention(nn.Module):
         the backend runs behind an opaque op: `rotary_attention` (rotary inside it, so the fused write
         stays) for a backend that may opt in, else Inductor's rotary and then `attention`.
         """
-        if opaque.compiling() and rotary is not None and _may_fuse(self.ctx.attn_backend):
-            # rotary goes inside the opaque op, where the backend may fuse it with the K/V write
-            return torch.ops.backplane.rotary_attention(q, k, v, positions, self.handle, rotary.handle)
         if not opaque.compiling():
             return self.attend(q, k, v, batch, rotary, positions)
         if rotary is not None:
+            if _may_fuse(self.ctx.attn_backend):  # rotary inside the opaque op, fused with the K/V write
+                return torch.ops.backplane.rotary_attention(q, k, v, positions, self.handle, rotary.handle)
             q, k = rotary(positions, q, k)
         info = self.info
         num_tokens = q.shape[0]
