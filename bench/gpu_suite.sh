@@ -30,6 +30,8 @@
 #                                 triton and flashinfer, bs 1/8/32, capture time; issue 19)
 #   bench/gpu_suite.sh ops        the ops_triton GPU tests (bf16 numerics, CUDA-graph replay, torch.compile,
 #                                 tiny-llama generation), then bench/ops.py (each op against native)
+#   bench/gpu_suite.sh quick      the GPU tests of the decode path alone (triton and flashinfer attention,
+#                                 graphs, overlap), two parallel groups: a first check after a change there
 #   bench/gpu_suite.sh plot       one PNG from the JSON here and in .device/results (earlier parts)
 #   bench/gpu_suite.sh all        kernels, serving and e2e-8b in order (more than one call's time)
 # Expects the site archive (../shared/device/make-site.sh) carried as .device/. Writes logs, JSON
@@ -189,6 +191,15 @@ case "$what" in
     done
     for i in "${!pids[@]}"; do wait "${pids[$i]}"; test_summary "matrix-$i" $?; done
     python3 bench/matrix_summary.py "$out/matrix.json" "$out"/matrix-[0-9]*.json | tee "$out/matrix-summary.log" ;;
+  quick)
+    timeout -s INT "${TEST_LIMIT:-240}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
+      tests/gpu/test_attention_triton_gpu.py tests/gpu/test_overlap_gpu.py tests/gpu/test_graph_runner_gpu.py \
+      -k "not share_the_pool and not shares_the_pool" > "$out/quick-triton.log" 2>&1 &
+    pid=$!
+    timeout -s INT "${TEST_LIMIT:-240}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
+      tests/gpu/test_attention_flashinfer_gpu.py > "$out/quick-flashinfer.log" 2>&1
+    test_summary quick-flashinfer $?
+    wait $pid; test_summary quick-triton $? ;;
   ops)
     timeout -s INT 300 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=5 \
       tests/gpu/test_ops_triton_gpu.py > "$out/ops-tests.log" 2>&1
