@@ -9,6 +9,7 @@ kv_indices array is built on the device, in one Triton launch on CUDA.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -20,12 +21,14 @@ class KvSpan:
     """The keys a wrapper reads: the first kv_lens[i] tokens of each request i.
 
     indptr_cpu: [batch_size + 1] int32 on the host; last_page_len_cpu: [batch_size] int32 ones
-    on the host; indices: [indptr_cpu[-1]] int32 KV-pool slots on the device.
+    on the host; indices: [indptr_cpu[-1]] int32 KV-pool slots on the device; kv_lens_cpu:
+    [batch_size] int32 on the host (with page size 1, each request's number of pages).
     """
 
     indptr_cpu: torch.Tensor
     indices: torch.Tensor
     last_page_len_cpu: torch.Tensor
+    kv_lens_cpu: torch.Tensor
 
     @property
     def num_indices(self) -> int:
@@ -37,6 +40,11 @@ def indptr_from_lens(lens: torch.Tensor) -> torch.Tensor:
     indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
     indptr[1:] = torch.cumsum(lens, dim=0)
     return indptr
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def build_kv_indices(
@@ -54,7 +62,7 @@ def build_kv_indices(
     torch ops whose output sizes are known on the host. Neither synchronises.
     """
     if use_kernel is None:
-        use_kernel = req_to_token.is_cuda and importlib.util.find_spec("triton") is not None
+        use_kernel = req_to_token.is_cuda and _has_triton()
     if use_kernel:
         from backplane.plugins.attention_flashinfer.index_kernel import gather_kv_indices
 
@@ -88,7 +96,8 @@ def make_span(
     indices_buffer [>= sum(kv_lens_cpu)].
     """
     device = req_to_token.device
-    indptr_cpu = indptr_from_lens(kv_lens_cpu.cpu())
+    kv_lens_cpu = kv_lens_cpu.to("cpu", torch.int32)
+    indptr_cpu = indptr_from_lens(kv_lens_cpu)
     num_indices = int(indptr_cpu[-1])
     batch_size = kv_lens_cpu.numel()
     if indptr_buffer is None:
@@ -105,4 +114,4 @@ def make_span(
         out = indices_buffer[:num_indices]
     build_kv_indices(req_to_token, req_pool_indices, kv_indptr, out)
     last_page_len = torch.ones(batch_size, dtype=torch.int32)
-    return KvSpan(indptr_cpu=indptr_cpu, indices=out, last_page_len_cpu=last_page_len)
+    return KvSpan(indptr_cpu=indptr_cpu, indices=out, last_page_len_cpu=last_page_len, kv_lens_cpu=kv_lens_cpu)

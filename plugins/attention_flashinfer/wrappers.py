@@ -12,6 +12,8 @@ ragged wrapper keeps "auto" (FA3 on Hopper), which is where prefill time goes.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,8 @@ from backplane.plugins.attention_flashinfer.geometry import (
     GraphBuffers,
     LayerConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 KV_LAYOUT = "NHD"  # the pool is [slots, heads, dim]; one slot = one page of one token
 PAGED_BACKEND = "fa2"
@@ -77,13 +81,20 @@ class GraphBinding:
 
 
 class WrapperCache:
-    """The wrappers of the eager path (binding None) or of one captured graph, by (role, config)."""
+    """The wrappers of the eager path (binding None) or of one captured graph, by (role, config).
+
+    A captured graph's decode wrappers are re-planned at every replay. After the first full plan()
+    they take the short road (`replan_decode`) when it proved to give the same plan; `fast_replans`
+    counts those.
+    """
 
     def __init__(self, workspace: torch.Tensor, use_tensor_cores: bool, binding: GraphBinding | None = None):
         self.workspace = workspace
         self.use_tensor_cores = use_tensor_cores
         self.binding = binding
         self._wrappers: dict[tuple[str, LayerConfig], Any] = {}
+        self.fast_decode: dict[tuple[str, LayerConfig], bool] = {}  # key -> replan_decode proved equal
+        self.fast_replans = 0
 
     def get(self, role: str, config: LayerConfig) -> Any:
         key = (role, config)
@@ -105,6 +116,78 @@ class WrapperCache:
             return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, KV_LAYOUT)
         kwargs = graph.prefill_kwargs(masked=role == MASKED) if graph else {}
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, KV_LAYOUT, backend=PAGED_BACKEND, **kwargs)
+
+
+def plan_cached(cache: WrapperCache, role: str, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> Any:
+    """The wrapper of (role, config) in `cache`, planned for `geo`: a graph's decode wrapper by the
+    short road once it proved equal to plan(), everything else by plan()."""
+    wrapper = cache.get(role, config)
+    key = (role, config)
+    if cache.binding is None or role != DECODE:
+        plan(wrapper, role, geo, config, dims)
+    elif cache.fast_decode.get(key):
+        replan_decode(wrapper, geo, config, dims)
+        cache.fast_replans += 1
+    else:
+        plan(wrapper, role, geo, config, dims)
+        if key not in cache.fast_decode:
+            cache.fast_decode[key] = _replan_matches(wrapper, geo, config, dims)
+    return wrapper
+
+
+def replan_decode(wrapper: Any, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> None:
+    """Re-plan a graph-bound decode wrapper that plan() has planned once, for a batch of its size.
+
+    plan() spends most of a small decode step's host time on checks, dtype resolution, copying the
+    index arrays into the graph's buffers (make_span has already written them there) and API logging;
+    what changes from one replay to the next is only the work split, which FlashInfer's compiled
+    planner computes from the host lengths. This calls that planner directly, as plan() does for a
+    CUDA-graph wrapper on the "fa2" backend (tensor cores) or the decode kernels (CUDA cores), and
+    keeps everything else plan() set. It reads FlashInfer's private attributes, so WrapperCache uses it
+    only after `_replan_matches` showed it yields plan()'s own plan on this FlashInfer.
+    """
+    span = geo.full
+    batch_size = span.kv_lens_cpu.numel()
+    workspaces = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+                  wrapper._pin_memory_int_workspace_buffer)
+    heads = (dims.num_heads, dims.num_kv_heads)
+    if wrapper.use_tensor_cores:
+        wrapper._max_kv_len = int(span.kv_lens_cpu.max())
+        args = (*workspaces, _arange_cpu(batch_size + 1), span.indptr_cpu, span.kv_lens_cpu, batch_size, batch_size,
+                *heads, 1, True, dims.head_dim, dims.head_dim, False, config.window_left,
+                -1, False, 0, 0)  # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+    else:
+        args = (*workspaces, span.indptr_cpu, batch_size, *heads, 1, True, config.window_left, config.logits_soft_cap,
+                dims.head_dim, dims.head_dim, _empty_cpu(dims.q_dtype), _empty_cpu(dims.kv_dtype))
+    wrapper._plan_info = wrapper._cached_module.plan(*args)
+    wrapper._batch_size = batch_size
+
+
+def _replan_matches(wrapper: Any, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> bool:
+    """Whether replan_decode, right after plan() for the same batch, yields the same plan (and runs)."""
+    if getattr(wrapper, "_backend", None) != PAGED_BACKEND:
+        return False
+    try:
+        expected = list(wrapper._plan_info)
+        replan_decode(wrapper, geo, config, dims)
+        same = list(wrapper._plan_info) == expected
+    except Exception as e:  # noqa: BLE001 - another FlashInfer's planner signature: keep plan()
+        logger.warning("flashinfer attention: the short decode re-plan does not fit this FlashInfer (%s); "
+                       "re-planning with plan()", e)
+        same = False
+    if not same:
+        plan(wrapper, DECODE, geo, config, dims)
+    return same
+
+
+@functools.cache
+def _arange_cpu(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32)
+
+
+@functools.cache
+def _empty_cpu(dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype)
 
 
 def plan(wrapper: Any, role: str, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> None:
@@ -185,7 +268,5 @@ def plan_layer(cache: WrapperCache, geo: ForwardGeometry, config: LayerConfig, d
     route = geo.route(config)
     wrappers = []
     for role in ROUTE_ROLES[route]:
-        wrapper = cache.get(role, config)
-        plan(wrapper, role, geo, config, dims)
-        wrappers.append(wrapper)
+        wrappers.append(plan_cached(cache, role, geo, config, dims))
     return LayerRunner(route, tuple(wrappers))

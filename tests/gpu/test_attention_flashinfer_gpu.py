@@ -247,6 +247,8 @@ def _capture_and_replay(mode, capture_lens, replay_lens, tokens_per_request, mas
         eager = backend.forward(q, k, v, layer, fresh)
         torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(replayed, reference_attention(q, layer, fresh), **TOL[dtype])
+    if mode is D:  # both replays re-planned by the short road (it matched plan() at capture)
+        assert backend._graph_caches["key"].fast_replans == 2
 
 
 def test_decode_graph_replay_equals_eager():

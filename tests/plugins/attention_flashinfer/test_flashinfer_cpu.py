@@ -332,22 +332,62 @@ class _FakeWrapper:
         return (out, torch.cat(lse)) if return_lse else out
 
 
+class FakePlanner:
+    """Stands in for the compiled planner that 0.7.2's decode plan() calls, with its positional
+    arguments (tensor-core "fa2" path: 20, CUDA-core decode path: 15). The plan names the batch it
+    was made for (batch size and host indptr), so a run after a missed re-plan fails."""
+
+    def __init__(self, tensor_cores: bool):
+        self.tensor_cores, self.calls, self.inside_plan = tensor_cores, 0, False
+
+    def plan(self, *args):
+        self.calls += 1
+        if self.tensor_cores:
+            assert len(args) == 20, len(args)
+            qo_indptr, indptr, kv_lens, rows, bs = args[3:8]
+            assert qo_indptr.tolist() == list(range(bs + 1)) and rows == bs and args[11] is True
+            assert kv_lens.tolist() == (indptr[1:] - indptr[:-1]).tolist()
+        else:
+            assert len(args) == 15, len(args)
+            indptr, bs = args[3:5]
+        assert indptr.device.type == "cpu" and indptr.dtype == torch.int32
+        return [bs, *indptr.tolist()]
+
+
 class FakeDecode(_FakeWrapper):
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
                  backend="auto", jit_args=None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, indptr=paged_kv_indptr_buffer,
                          indices=paged_kv_indices_buffer, last=paged_kv_last_page_len_buffer)
+        self._backend, self.use_tensor_cores = backend, use_tensor_cores
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = torch.empty(8, dtype=torch.uint8)
+        self._cached_module = FakePlanner(use_tensor_cores)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None, sm_scale=None):
         assert page_size == 1 and bool((last_page_len == 1).all())
         self.indptr, self.indices = self._store("indptr", indptr), self._store("indices", indices)
         self._config(window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type)
+        bs, work = len(last_page_len), (self._float_workspace_buffer, self._int_workspace_buffer,
+                                        self._pin_memory_int_workspace_buffer)
+        indptr = indptr.to("cpu")
+        if self.use_tensor_cores:
+            args = (*work, torch.arange(bs + 1, dtype=torch.int32), indptr, indptr[1:] - indptr[:-1], bs, bs,
+                    num_qo_heads, num_kv_heads, page_size, self.use_cuda_graph, head_dim, head_dim, False,
+                    window_left, -1, False, 0, 0)
+        else:
+            args = (*work, indptr, bs, num_qo_heads, num_kv_heads, page_size, self.use_cuda_graph, window_left,
+                    logits_soft_cap or 0.0, head_dim, head_dim, torch.empty(0), torch.empty(0))
+        self._cached_module.inside_plan = True
+        self._plan_info = self._cached_module.plan(*args)
+        self._cached_module.inside_plan = False
 
     def run(self, q, paged_kv_cache, *, return_lse=False):
         k_cache, v_cache = paged_kv_cache
         bs = q.shape[0]
+        assert self._plan_info == [bs, *self.indptr[: bs + 1].tolist()], "run with the plan of another batch"
         per_request = []
         for i in range(bs):
             slots = self.indices[self.indptr[i] : self.indptr[i + 1]].long()
@@ -499,10 +539,69 @@ def test_graph_buffers_are_refreshed_on_replay(fake_flashinfer):
     ours, refs = _run_both(backend, replay, replay_kv)
     for got, ref in zip(ours, refs):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # one decode wrapper per layer config, each re-planned by the short road (FakeDecode.run checks
+    # that the plan is the replayed batch's)
+    cache = backend._graph_caches["decode-3"]
+    assert cache.fast_replans == 2 and all(cache.fast_decode.values())
     with pytest.raises(ValueError, match="captured for batch size 3 without a custom mask; got batch size 2"):
         backend.init_metadata_for_replay("decode-3", _make_batch(ForwardMode.DECODE, [3, 4], [1, 1])[0])
     with pytest.raises(ValueError, match="CUDA graphs support modes"):
         backend.init_metadata_for_capture("x", _make_batch(ForwardMode.EXTEND, [3], [3])[0])
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("planner", ["raises", "differs", "other_backend"])
+def test_short_replan_is_used_only_where_it_equals_plan(fake_flashinfer, monkeypatch, caplog, planner,
+                                                        tensor_cores):
+    """Another FlashInfer (its planner takes other arguments, or plans otherwise) keeps plan() at every
+    replay, and the replayed graph still attends over the new batch; the agreeing one takes the short road."""
+    from backplane.plugins.attention_flashinfer import wrappers
+
+    class OtherPlanner(FakePlanner):
+        def plan(self, *args):
+            if not self.inside_plan and planner == "raises":  # called as another FlashInfer's plan() does not
+                raise TypeError("plan() takes 21 positional arguments")
+            info = super().plan(*args)
+            return info + [self.calls] if planner == "differs" else info
+
+    original_init = FakeDecode.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self._cached_module = OtherPlanner(self.use_tensor_cores)
+        if planner == "other_backend":
+            self._backend = "trtllm-gen"
+
+    monkeypatch.setattr(FakeDecode, "__init__", init)
+    monkeypatch.setattr(FakeDecode, "run", lambda self, q, kv, return_lse=False: _unchecked_run(self, q, kv))
+    batch, new_kv = _make_batch(ForwardMode.DECODE, [3, 11], [1, 1], seed=4)
+    options = FlashInferOptions(workspace_size_mb=16, decode_use_tensor_cores="true" if tensor_cores else "false")
+    backend = _backend(batch, options=options)
+    backend.init_graph_state(max_bs=2, max_num_tokens=2)
+    backend.init_metadata_for_capture("decode-2", batch)
+    _run_both(backend, batch, new_kv)
+    pools = (batch.token_to_kv_pool, batch.req_to_token_pool)
+    replay, replay_kv = _make_batch(ForwardMode.DECODE, [17, 5], [1, 1], seed=5, pools=pools)
+    backend.init_metadata_for_replay("decode-2", replay)
+    ours, refs = _run_both(backend, replay, replay_kv)
+    for got, ref in zip(ours, refs):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    cache = backend._graph_caches["decode-2"]
+    assert cache.fast_replans == 0 and not any(cache.fast_decode.values())
+    assert all(w.use_tensor_cores == tensor_cores for w in cache._wrappers.values())
+    assert ("does not fit this FlashInfer" in caplog.text) == (planner == "raises")
+    assert wrappers.DECODE in {role for role, _ in cache._wrappers}
+
+
+def _unchecked_run(wrapper, q, paged_kv_cache):
+    """FakeDecode.run without its plan check (the planners of the test above return other plans)."""
+    k_cache, v_cache = paged_kv_cache
+    per_request = []
+    for i in range(q.shape[0]):
+        slots = wrapper.indices[wrapper.indptr[i] : wrapper.indptr[i + 1]].long()
+        per_request.append(_fake_attention(q[i : i + 1], k_cache[slots, 0], v_cache[slots, 0], True, None,
+                                           *wrapper.cfg))
+    return wrapper._outputs(q, per_request, False)
 
 
 def test_verify_graph_with_tree_mask(fake_flashinfer):
