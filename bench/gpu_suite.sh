@@ -162,12 +162,15 @@ case "$what" in
     step prefix-cache-8b 370 python3 bench/prefix_cache.py --models llama-3.1-8b --repeats 2 --out "$out/prefix_cache-8b.json" ;;
   decode)
     # On a cold machine FlashInfer's JIT and the 8B model do not fit one call together: split with
-    # DECODE_MODELS="1b" / "8b" and DECODE_BACKENDS="triton" / "flashinfer".
+    # DECODE_MODELS="1b" / "8b" and DECODE_BACKENDS="triton" / "flashinfer". 8B with both backends and
+    # both peers ran past 330 s on an H100 (2026-12-06): PEER_ATTENTION=gqa (the peer that won every
+    # 1B row) and DECODE_PROFILE=1 (profile bs 1 only) shorten it.
     declare -A limit=([1b]=240 [8b]=330) name=([1b]=llama-3.2-1b [8b]=llama-3.1-8b)
     for m in ${DECODE_MODELS:-1b 8b}; do
       # shellcheck disable=SC2086
       step "peer-decode-$m" "${limit[$m]}" python3 bench/peer_decode.py --models "${name[$m]}" \
-        ${DECODE_BACKENDS:+--backends $DECODE_BACKENDS} --profile --out "$out/peer-decode-$m.json"
+        ${DECODE_BACKENDS:+--backends $DECODE_BACKENDS} ${PEER_ATTENTION:+--peer-attention $PEER_ATTENTION} \
+        --profile ${DECODE_PROFILE:-} --out "$out/peer-decode-$m.json"
     done
     for m in ${DECODE_MODELS:-1b 8b}; do echo "== peer-decode-$m table"; sed -n '/^model /,$p' "$out/peer-decode-$m.log"; done ;;
   lora-kernels)

@@ -286,6 +286,9 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
         row["host_functions"] = host_functions(engine, ns.context, bs) if bs in ns.profile else None
         set_overlap(engine, True)
         rows.append(row)
+        replay = "-" if row["replay_ms"] is None else f"{row['replay_ms']:.3f}"
+        print(f"engine {model} {backend} bs {bs}: {row['engine_ms']:.3f} ms (overlap off {row['engine_no_overlap_ms']:.3f}, "
+              f"replay {replay}, floor {floor:.3f})", flush=True)  # a cut-off run still shows these
     engine.shutdown()
     del engine
     gc.collect()
@@ -297,6 +300,7 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
             if key not in PEER_MS:
                 PEER_MS[key] = peer_step_ms(cfg, row["batch_size"], ns.context, ns.steps, device,
                                             not ns.no_compile, attention)
+                print(f"peer {model} bs {row['batch_size']} {attention}: {PEER_MS[key]:.3f} ms", flush=True)
             variants[attention] = PEER_MS[key]
         row["peer_variants_ms"] = variants
         row["peer_ms"] = min(variants.values())  # the engine is compared with the faster peer
@@ -353,10 +357,13 @@ def main() -> None:
     ns.hbm_tb_s = ns.hbm_tb_s or copy_bandwidth_tb_s(ns.device)
     ns.profile = [] if ns.profile is None else (ns.profile or [1, 32])
     print(f"device copy bandwidth {ns.hbm_tb_s:.2f} TB/s (the weight-read floor's)")
-    rows = [r for m in ns.models for b in ns.backends for r in measure_model(ns, m, b)]
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    rows = []
+    for model in ns.models:
+        for backend in ns.backends:
+            rows += measure_model(ns, model, backend)
+            if ns.out:  # after each backend, so that a run cut off by a time limit keeps what it finished
+                with open(ns.out, "w") as f:
+                    json.dump(rows, f, indent=2)
     print(table(rows))
 
 
