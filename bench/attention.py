@@ -144,8 +144,10 @@ def triton_decode(w: Workload, splits: int, cfg: DecodeConfig | None = None):
     logits = torch.empty((w.batch, HEADS, splits, HEAD_DIM), dtype=torch.float32, device="cuda")
     lse = torch.empty((w.batch, HEADS, splits), dtype=torch.float32, device="cuda")
     scale = HEAD_DIM**-0.5
+    # as the engine launches it: with counters, so that few splits merge inside the first kernel
+    counters = torch.zeros(w.batch * KV_HEADS, dtype=torch.int32, device="cuda")
     return lambda: decode_attention(w.q, w.k_buffer, w.v_buffer, out, w.req_to_token, rows, seq_lens, scale,
-                                    splits, attn_logits=logits, attn_lse=lse, config=cfg)
+                                    splits, attn_logits=logits, attn_lse=lse, config=cfg, merge_counters=counters)
 
 
 def triton_extend(w: Workload, cfg: ExtendConfig | None = None):
@@ -221,8 +223,8 @@ def measure(timer: Timer, w: Workload, kind: str, case: str, impl: str, fn, refe
 
 def decode_sweep(timer: Timer, w: Workload, case: str, auto_splits: int, reference) -> Row | None:
     best = None
-    for splits in sorted({max(1, auto_splits // 2), auto_splits, auto_splits * 2}):
-        for block_n, warps, stages in itertools.product((32, 64), (4, 8), (2, 3, 4)):
+    for splits in sorted({max(1, auto_splits // 2), auto_splits, auto_splits * 2, auto_splits * 4}):
+        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
             note = f"splits={splits} block_n={block_n} warps={warps} stages={stages}"
             try:
@@ -328,12 +330,21 @@ def import_flashinfer():
 
 
 def main() -> None:
+    global HEAD_DIM, DECODE_CASES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--sweep", action="store_true", help="also try block sizes / warps / stages / splits")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--only", choices=("decode", "extend"), help="run one half")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                        help="head dim of every case (128: llama-3.1-8b; 64: llama-3.2-1b, whose decode config is "
+                             "the 128 one untuned)")
+    parser.add_argument("--decode-cases", help="BATCHxCONTEXT,... instead of the default decode cases, "
+                                               "e.g. 1x512,8x512,32x512 (bench/peer_decode.py's shapes)")
     args = parser.parse_args()
+    HEAD_DIM = args.head_dim
+    if args.decode_cases:
+        DECODE_CASES = [tuple(int(n) for n in case.split("x")) for case in args.decode_cases.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA GPU")
     import triton

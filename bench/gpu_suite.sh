@@ -5,6 +5,8 @@
 #   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
 #   bench/gpu_suite.sh e2e-1b     bench/e2e.py for llama-3.2-1b, triton and flashinfer, no transformers run
 #   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
+#   bench/gpu_suite.sh attention-1b  bench/attention.py decode at head dim 64 (llama-3.2-1b) and bs 1/8/32 x 512,
+#                                 the launch-setting sweep beside the default config and FlashInfer
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
 #                                 verify kernels), where the graph pool's memory goes (bench/graph_pool_probe.py)
 #   bench/gpu_suite.sh decode     bench/peer_decode.py: engine decode vs a torch.compile loop, 1B and 8B,
@@ -122,6 +124,9 @@ case "$what" in
   e2e-8b|all)
     step e2e-llama-3.1-8b 500 python3 bench/e2e.py --model llama-3.1-8b --out "$out/e2e-llama-3.1-8b.json"
     plot ;;
+  attention-1b)  # the decode kernels at llama-3.2-1b's head dim and peer_decode's shapes, with the sweep
+    step attention-decode-1b 400 python3 bench/attention.py --only decode --sweep --head-dim 64 \
+      --decode-cases 1x512,8x512,32x512,32x2048 --reps 50 --out "$out/attention-decode-1b.json" ;;
   recheck)
     step attention-decode 200 python3 bench/attention.py --only decode --out "$out/attention-decode.json"
     step spec 200 python3 bench/spec.py --backend triton --profile --out "$out/spec.json"
