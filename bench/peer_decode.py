@@ -108,7 +108,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peer_step_ms(cfg, bs: int, context: int, steps: int, device, compile_: bool, attention: str = "repeat") -> float:
+def peer_step_ms(cfg, bs: int, context: int, steps: int, device, compile_: bool, attention: str = "repeat",
+                 profile: bool = False) -> tuple[float, dict | None]:
+    """(ms per step, and with `profile` the device kernels of one step: {"kernel_ms", "launches", "top_kernels"})."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = PeerLlama(cfg, bs, context + steps + 8, dtype, device, attention)
     torch._dynamo.reset()  # a fresh compile per peer: six model instances would pass Dynamo's recompile limit
@@ -125,8 +127,24 @@ def peer_step_ms(cfg, bs: int, context: int, steps: int, device, compile_: bool,
             ids = step(ids, pos).clone()
         sync(device)
     ms = (time.perf_counter() - start) * 1e3 / steps
+    kernels = _peer_kernels(step, ids, pos, context, steps, device) if profile and device.type == "cuda" else None
     del model, step
-    return ms
+    return ms, kernels
+
+
+def _peer_kernels(step, ids, pos, context: int, steps: int, device) -> dict:
+    """The peer's device kernels per step (torch.profiler over `steps` steps), beside the engine's profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            pos.fill_(context + i)
+            ids = step(ids, pos).clone()
+        sync(device)
+    kernels = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / steps, e.count / steps)
+               for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels.sort(key=lambda k: -k[1])
+    return {"kernel_ms": sum(k[1] for k in kernels), "launches": sum(k[2] for k in kernels), "top_kernels": kernels[:8]}
 
 
 def set_overlap(engine: Engine, on: bool) -> None:
@@ -267,6 +285,7 @@ def host_functions(engine: Engine, context: int, bs: int, steps: int = 32, top: 
 
 
 PEER_MS: dict[tuple[str, int, str], float] = {}  # (model, bs, attention) -> peer step ms, shared by the backends
+PEER_PROFILE: dict[tuple[str, int, str], dict | None] = {}  # the same keys -> the peer's kernels per step
 
 
 def measure_model(ns, model: str, backend: str) -> list[dict]:
@@ -298,11 +317,14 @@ def measure_model(ns, model: str, backend: str) -> list[dict]:
         for attention in ns.peer_attention:
             key = (model, row["batch_size"], attention)
             if key not in PEER_MS:
-                PEER_MS[key] = peer_step_ms(cfg, row["batch_size"], ns.context, ns.steps, device,
-                                            not ns.no_compile, attention)
+                PEER_MS[key], PEER_PROFILE[key] = peer_step_ms(
+                    cfg, row["batch_size"], ns.context, ns.steps, device, not ns.no_compile, attention,
+                    profile=row["batch_size"] in ns.profile)
                 print(f"peer {model} bs {row['batch_size']} {attention}: {PEER_MS[key]:.3f} ms", flush=True)
             variants[attention] = PEER_MS[key]
         row["peer_variants_ms"] = variants
+        fastest = min(variants, key=variants.get)
+        row["peer_profile"] = PEER_PROFILE.get((model, row["batch_size"], fastest))
         row["peer_ms"] = min(variants.values())  # the engine is compared with the faster peer
         row["ratio"] = row["engine_ms"] / row["peer_ms"]
         row["overlap_speedup"] = row["engine_no_overlap_ms"] / row["engine_ms"]
@@ -330,6 +352,10 @@ def table(rows: list[dict]) -> str:
                          f"{q['launches']:6.0f}")
         lines.append("  top kernels (overlap): " + "; ".join(f"{k[:40]} {ms:.3f} ms x{n:.0f}"
                                                         for k, ms, n in p["overlap"]["top_kernels"][:5]))
+        peer = r.get("peer_profile")
+        if peer:
+            lines.append(f"  peer: kernels {peer['kernel_ms']:.3f} ms, {peer['launches']:.0f} launches; top: " + "; ".join(
+                f"{k[:40]} {ms:.3f} ms x{n:.0f}" for k, ms, n in peer["top_kernels"][:6]))
         lines.append("  host self ms per step (overlap off): " + "; ".join(
             f"{name[:40]} {own:.3f}" for name, own, _ in r["host_functions"]["self"][:8]))
     return "\n".join(lines)
