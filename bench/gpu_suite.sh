@@ -14,7 +14,8 @@
 #   bench/gpu_suite.sh lora-kernels  bench/lora_kernels.py alone
 #   bench/gpu_suite.sh lora-fused the LoRA GPU tests (conformance with the fused decode kernel in graphs,
 #                                 hidden states against the PEFT-merged models), then bench/lora_decode.py
-#                                 (issue 23: steps at bs 1/8/32, ranks 16/64, kernels against the floor)
+#                                 (issue 23: steps at bs 1/8/32, ranks 16/64, kernels against the floor; the
+#                                 folded decode path beside the fused one; LORA_DECODE_ARGS="--no-sweep ...")
 #   bench/gpu_suite.sh lora-tune  bench/lora_decode.py --tune: every launch setting of the fused LoRA kernel
 #                                 per projection group, rank and token bucket, the fastest written as the
 #                                 plugin's tuned table ($OUT/lora_triton_configs.json: copy it to
@@ -184,7 +185,7 @@ case "$what" in
     timeout -s INT 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py \
       tests/gpu/test_lora_triton_gpu.py > "$out/lora-fused-tests.log" 2>&1
     test_summary lora-fused-tests $?
-    TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --out "$out/lora_decode.json" ;;
+    TAIL=40 step lora_decode 330 python3 bench/lora_decode.py --folded ${LORA_DECODE_ARGS:-} --out "$out/lora_decode.json" ;;
   lora-tune)
     TAIL=60 step lora_tune 560 python3 bench/lora_decode.py --no-sweep --profile \
       --tune "$out/lora_triton_configs.json" --out "$out/lora_decode.json" ;;

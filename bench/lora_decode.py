@@ -7,6 +7,7 @@ noise hits every variant alike:
   base       a runner without LoRA
   lora-off   the rank-16 LoRA runner, every request base only (its LoRA-off graph)   target <= 1.03x base
   lora-rR    the rank-R LoRA runner, every request on an adapter (LoRA-on graph)     target <= 1.15x base
+  folded-rR  the same with --triton-lora.decode-path folded (--folded)                target <= 1.15x base
 
 Kernels: per layer, the four projection groups' LoRA (fused decode kernel, and the segmented
 kernels for comparison) at T tokens on min(T, N) distinct adapters, timed in CUDA graphs, against
@@ -61,11 +62,14 @@ def parse_args() -> argparse.Namespace:
                    help="the tuned table the runners and kernels use (default: the plugin's bundled one for this GPU)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over the steps at the smallest batch size: each variant's kernels per step")
+    p.add_argument("--folded", action="store_true",
+                   help="also time LoRA-on steps with --triton-lora.decode-path folded (folded-rR: the shrink in "
+                        "the base GEMM over [W; A], then one expand kernel per projection group)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     return p.parse_args()
 
 
-def build_runner(ns, lora_paths: list[str], rank: int):
+def build_runner(ns, lora_paths: list[str], rank: int, decode_path: str = "fused"):
     from backplane.executor.model_runner import ModelRunner
     from backplane.lora.manager import attach_lora
     from backplane.plugin.manager import load_plugins
@@ -80,7 +84,10 @@ def build_runner(ns, lora_paths: list[str], rank: int):
                   max_total_tokens=2 * max_bs * (ns.input_len + ns.rounds * ns.steps + 16),
                   chunked_prefill_size=max(max_bs * ns.input_len, 8192), lora_paths=lora_paths,
                   lora_backend="triton", max_loras_per_batch=ns.adapters, max_lora_rank=rank)
-    options = {"triton-lora": {"configs": ns.configs}} if ns.configs else None
+    lora_options = {"configs": ns.configs} if ns.configs else {}
+    if decode_path != "fused":
+        lora_options["decode_path"] = decode_path
+    options = {"triton-lora": lora_options} if lora_options else None
     runner = ModelRunner(build_server_args(kwargs, plugin_set.settings_groups(), options), plugin_set)
     manager = attach_lora(runner)
     runner.init_cuda_graphs()
@@ -152,6 +159,8 @@ def time_steps(ns, runners: dict, bs: int) -> dict:
     sessions["lora-off"] = Session(*runners[first], [None] * bs, ns.input_len)
     for rank in ns.ranks:
         sessions[f"lora-r{rank}"] = Session(*runners[f"r{rank}"], names, ns.input_len)
+        if f"f{rank}" in runners:
+            sessions[f"folded-r{rank}"] = Session(*runners[f"f{rank}"], names, ns.input_len)
     times = {name: [] for name in sessions}
     profile = None
     try:
@@ -224,6 +233,8 @@ def measure_steps(ns) -> dict:
                 write_dummy_adapter(path, config, rank, seed=i)
                 paths.append(f"a{i}={path}")
             runners[f"r{rank}"] = build_runner(ns, paths, rank)
+            if ns.folded:
+                runners[f"f{rank}"] = build_runner(ns, paths, rank, decode_path="folded")
     return {str(bs): time_steps(ns, runners, bs) for bs in ns.batch_sizes}
 
 
@@ -250,10 +261,10 @@ def _word(ok) -> str:
 def format_tables(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']}: {report['adapters']} adapters on all seven projections, "
              "triton LoRA backend, CUDA graphs", "",
-             f"{'bs':>3} {'variant':<9} {'step ms':>8} {'min ms':>7} {'x base':>7} {'prep ms':>7}  graph"]
+             f"{'bs':>3} {'variant':<10} {'step ms':>8} {'min ms':>7} {'x base':>7} {'prep ms':>7}  graph"]
     for bs, rows in report["steps"].items():
         for name, row in rows.items():
-            lines.append(f"{bs:>3} {name:<9} {row['step_ms']:8.3f} {row['min_ms']:7.3f} {row['x_base']:7.3f} "
+            lines.append(f"{bs:>3} {name:<10} {row['step_ms']:8.3f} {row['min_ms']:7.3f} {row['x_base']:7.3f} "
                          f"{row['prepare_ms']:7.3f}  {', '.join(row['graphs'])}")
             if report["device_kind"] == "cuda" and "eager" in row["graphs"]:
                 lines.append(f"    WARNING: some {name} steps at bs {bs} ran eagerly (no captured graph)")

@@ -158,6 +158,49 @@ class LoraBackend(ABC):
         self._sliced_lora_b(shrunk, b_weights, offsets, base_output)
         return base_output
 
+    # -- the shrink folded into the base GEMM (opt-in) ------------------------------------------
+    #: A backend that sets this (class or instance) gets, for batches where `folds(num_tokens)` is
+    #: true, one GEMM with every slot's A stacked under the base weight, and `expand_folded` to finish.
+    folds_shrink: bool = False
+
+    def folds(self, num_tokens: int) -> bool:
+        """Whether a pass of `num_tokens` tokens takes the folded path (only asked when folds_shrink)."""
+        return self.folds_shrink
+
+    def expand_folded(
+        self,
+        y: torch.Tensor,
+        num_base: int,
+        b_weights: torch.Tensor,
+        output_offsets: Sequence[int],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Finish a folded pass: out[t] = y[t, :N] + the LoRA delta of token t, written into `out`.
+
+        y: [T, N + num_slots * num_slices * R_max] = x @ [W; A]^T, the base GEMM over the weight with
+        every slot's stacked A (the layout of the module docstring, slot-major) under it: columns
+        N + slot * num_slices * R_max + j * R_max + r hold token t's shrink x A_j^T for that slot.
+        num_base: N; b_weights: [num_slots, N, R_max]; output_offsets: num_slices + 1 host ints from
+        0 to N; out: [T, N], contiguous. Token t uses the slot batch_info.token_slots[t] (0 for
+        padding and base-only requests, whose A rows are zero). Returns out.
+        The default is plain torch (a reference; it gathers each token's B); backends fuse it.
+        """
+        offsets = tuple(int(v) for v in output_offsets)
+        num_slots, _, r_max = b_weights.shape
+        num_tokens, width = y.shape[0], (len(offsets) - 1) * r_max
+        info = self.batch_info
+        slots = info.token_slots[:num_tokens].long()
+        shrunk = y[:, num_base:].view(num_tokens, num_slots, width)
+        shrunk = shrunk[torch.arange(num_tokens, device=y.device), slots].float()  # [T, num_slices * R_max]
+        scaling = info.scalings[slots][:, None]
+        out.copy_(y[:, :num_base])
+        for j in range(len(offsets) - 1):
+            lo, hi = offsets[j], offsets[j + 1]
+            b = b_weights[slots, lo:hi].float()  # [T, hi - lo, R_max]
+            delta = torch.einsum("tr,tnr->tn", shrunk[:, j * r_max : (j + 1) * r_max], b) * scaling
+            out[:, lo:hi] += delta.to(out.dtype)
+        return out
+
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static buffers that captured graphs read; called once before capture."""
 

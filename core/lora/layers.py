@@ -9,6 +9,10 @@ core/lora/base.py):
   lora_b: [num_slots, out_features, R_max]
 
 Slot 0 stays zero (base only). `load_slot` copies an adapter's A/B in place, zero-padded to R_max.
+With a backend that folds the shrink into the base GEMM (`LoraBackend.folds_shrink`), lora_a and the
+base weight are two views of one buffer [W; A] (`LoraLinear._fold`), so decode-sized passes run one
+GEMM and one expand launch per projection (not for row-parallel layers on several ranks, whose
+shrink must be all-reduced before the expand).
 Every wrapper of one model reads the current batch from one shared `LoraRuntime`: its
 `batch_info` is set before each forward (None: the pass runs without LoRA).
 
@@ -64,10 +68,31 @@ class LoraLinear(nn.Module):
         weight = base_layer.weight
         in_features = weight.shape[1]
         # NOTE: plain attributes, not buffers: they are not checkpoint weights.
-        self.lora_a = torch.zeros(num_slots, len(projections) * max_rank, in_features,
-                                  dtype=weight.dtype, device=weight.device)
         self.lora_b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=weight.dtype, device=weight.device)
+        self.w_ext = self.bias_ext = None
+        a_shape = (num_slots, len(projections) * max_rank, in_features)
+        if runtime.backend.folds_shrink and not self._sharded_input:
+            self._fold(a_shape)
+        else:
+            self.lora_a = torch.zeros(a_shape, dtype=weight.dtype, device=weight.device)
         self.handle = opaque.register_layer(self)  # for torch.ops.backplane.lora_delta under torch.compile
+
+    def _fold(self, a_shape: tuple[int, int, int]) -> None:
+        """One buffer w_ext = [W; A of every slot]: the base weight becomes its first rows (a view, so
+        the base layer and weight loading are unchanged) and lora_a the rest, so a folded pass shrinks
+        inside the base GEMM (LoraBackend.expand_folded). The bias, if any, gets zeros for those rows."""
+        base = self.base_layer
+        weight = base.weight
+        num_base = weight.shape[0]
+        extra = a_shape[0] * a_shape[1]
+        self.w_ext = torch.zeros(num_base + extra, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        self.w_ext[:num_base].copy_(weight.data)
+        weight.data = self.w_ext[:num_base]
+        self.lora_a = self.w_ext[num_base:].view(a_shape)
+        if base.bias is not None:
+            self.bias_ext = torch.zeros(num_base + extra, dtype=base.bias.dtype, device=base.bias.device)
+            self.bias_ext[:num_base].copy_(base.bias.data)
+            base.bias.data = self.bias_ext[:num_base]
 
     @property
     def num_slices(self) -> int:
@@ -79,14 +104,26 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> out: [T, out_features]
+        runtime = self.runtime
+        if (self.w_ext is not None and runtime.batch_info is not None and not opaque.compiling()
+                and runtime.backend.folds(x.shape[0])):
+            return self.forward_folded(x)
         out = self.base_layer(x)
-        if self.runtime.batch_info is None:
+        if runtime.batch_info is None:
             return out
         if opaque.compiling():  # one opaque op: Dynamo never traces the LoRA backend's kernels
             torch.ops.backplane.lora_delta(x, out, self.handle)
             return out
         self.add_delta(x, out)
         return out
+
+    def forward_folded(self, x: torch.Tensor) -> torch.Tensor:
+        """The base GEMM over [W; A] (every slot's shrink comes with it), then the backend's expand
+        writes base + delta into a fresh output: one GEMM and one LoRA launch per projection group."""
+        y = torch.nn.functional.linear(x, self.w_ext, self.bias_ext)
+        num_base = self.lora_b.shape[1]
+        out = torch.empty(x.shape[0], num_base, dtype=y.dtype, device=y.device)
+        return self.runtime.backend.expand_folded(y, num_base, self.lora_b, self.offsets, out)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += this batch's LoRA delta of x, per request's adapter (eagerly, via the backend)."""

@@ -21,7 +21,7 @@ import triton
 
 from backplane.lora import LoraBackend, LoraBackendContext, host_offsets
 from backplane.lora import LoraBatchInfo
-from backplane.plugins.lora_triton import fused, kernels, tuned
+from backplane.plugins.lora_triton import folded, fused, kernels, tuned
 from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, MAX_GROUPS, FusedBuffers, FusedConfig
 from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 
@@ -67,9 +67,22 @@ class TritonLoraBackend(LoraBackend):
         self.tuned = tuned.table_for(ctx.device, getattr(options, "configs", None), MAX_GROUPS) if use_table \
             else tuned.TunedTable()
         self._launch_configs: dict[tuple, FusedConfig] = {}
+        # --triton-lora.decode-path folded: the core stacks A under the base weight for decode batches
+        self.folds_shrink = getattr(options, "decode_path", "fused") == "folded"
 
     def _fuses(self, num_tokens: int) -> bool:
         return num_tokens <= min(self.tuning.fused_max_tokens, FUSED_MAX_TOKENS)
+
+    def folds(self, num_tokens: int) -> bool:
+        """The folded path takes the decode-sized batches the fused kernel would (see folded.py)."""
+        return self.folds_shrink and self._fuses(num_tokens)
+
+    def expand_folded(self, y: torch.Tensor, num_base: int, b_weights: torch.Tensor,
+                      output_offsets: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+        info = self.batch_info
+        if info is None:
+            raise RuntimeError("TritonLoraBackend.expand_folded: no batch prepared (prepare_batch or a graph's metadata)")
+        return folded.folded_expand(y, num_base, b_weights, output_offsets, out, info.token_slots, info.scalings)
 
     # ---- planning -------------------------------------------------------------------------
     def prepare_batch(self, batch_info: LoraBatchInfo) -> None:

@@ -58,3 +58,28 @@ def test_decode_steps_of_the_same_requests_copy_no_batch_info(engine, monkeypatc
     assert manager.graph_info.num_device_copies - graph_before == 1  # the padded decode batch, once
     assert {(k.batch_size, dict(k.extras)["lora"]) for k in engine.graphs.replayed} == {(4, True)}
     assert calls.count("init_metadata_for_replay") == 4 and "apply_lora" in calls and "lora_a" not in calls
+
+
+def test_folded_decode_path_generates_what_the_fused_one_does(engine, tmp_path, monkeypatch):
+    """--triton-lora.decode-path folded: passes of at most 64 tokens (here the 10-token prefill and the
+    padded decode steps) run the base GEMM over [W; A] and one expand per projection, and greedy
+    tokens equal the fused path's."""
+    from backplane.plugins.lora_triton import folded
+
+    adapters = ["all7_r4", None, "kogu_r2"]
+    fused_out = [o.token_ids for o in engine.generate(input_ids=PROMPTS, sampling_params=STEPS, lora=adapters)]
+    world = make_lora_world(tmp_path)
+    folded_engine = Engine(str(world.base_dir), device="cpu", dtype="float32", max_total_tokens=512,
+                           max_running_requests=4, lora_paths=world.lora_paths(), lora_backend="triton",
+                           max_loras_per_batch=3, cuda_graph_bs=[1, 2, 4],
+                           plugin_options={"triton-lora": {"decode_path": "folded"}})
+    folded_engine.graphs = with_fake_graphs(folded_engine)
+    expands = []
+    real = folded.folded_expand
+    monkeypatch.setattr(folded, "folded_expand", lambda *a, **k: expands.append(a[0].shape[0]) or real(*a, **k))
+    outs = folded_engine.generate(input_ids=PROMPTS, sampling_params=STEPS, lora=adapters)
+    assert [o.token_ids for o in outs] == fused_out
+    layers = folded_engine.lora_manager.layers
+    assert set(expands) == {10, 4}, "the prefill (10 tokens) and the padded decode batches (4) fold"
+    assert len(expands) == 5 * len(layers)  # one prefill and four decode steps, every projection once
+    assert all(layer.w_ext is not None for layer in layers)
