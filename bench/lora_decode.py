@@ -251,6 +251,9 @@ def verdicts(report: dict) -> list[str]:
         row["meets_target"] = row["fused_vs_floor"] <= TARGETS["kernels_vs_floor"] if cuda else None
         lines.append(f"T {row['tokens']:>3} rank {row['rank']:>2} kernels {row['fused_vs_floor']:.2f}x floor "
                      f"(target <= 4x): {_word(row['meets_target'])}")
+        folded_ok = row["folded_vs_floor"] <= TARGETS["kernels_vs_floor"] if cuda else None
+        lines.append(f"T {row['tokens']:>3} rank {row['rank']:>2} folded path's LoRA share {row['folded_vs_floor']:.2f}x "
+                     f"floor (target <= 4x): {_word(folded_ok)}")
     return lines
 
 
@@ -271,13 +274,15 @@ def format_tables(report: dict) -> str:
     tuned = any(g["tuned"] for row in report["kernels"] for g in row["groups"].values())
     lines += ["", "LoRA kernels per layer (us): fused decode kernel (" + ("tuned table" if tuned else "no tuned table")
               + ") warm and cold (L2 flushed first, as in a model step) | the read model's launches | segmented "
-              "kernels warm and cold | read floor | cold fused / floor",
+              "kernels warm and cold | read floor | cold fused / floor | one graph of the four | folded path, cold: "
+              "its GEMM over [W; A] and expand less the base GEMM | that / floor",
               f"{'T':>3} {'rank':>4} {'fused':>7} {'cold':>7} {'model':>7} {'segm.':>7} {'cold':>7} {'floor':>6} "
-              f"{'fused/floor':>11} {'one graph':>9}"]
+              f"{'fused/floor':>11} {'one graph':>9} {'folded':>7} {'folded/floor':>12}"]
     for row in report["kernels"]:
         lines.append(f"{row['tokens']:>3} {row['rank']:>4} {row['fused_us']:7.2f} {row['fused_cold_us']:7.2f} "
                      f"{row['fused_automatic_us']:7.2f} {row['segmented_us']:7.2f} {row['segmented_cold_us']:7.2f} "
-                     f"{row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} {row['layer_graph_us']:9.2f}")
+                     f"{row['floor_us']:6.2f} {row['fused_vs_floor']:11.2f} {row['layer_graph_us']:9.2f} "
+                     f"{row['folded_cold_us']:7.2f} {row['folded_vs_floor']:12.2f}")
     th = report["threshold"]
     lines.append(f"at the fused path's limit, T {th['tokens']} rank {th['rank']}: fused {th['fused_us']:.2f} us, "
                  f"segmented {th['segmented_us']:.2f} us per layer")

@@ -54,9 +54,20 @@ class Group:
         self.b = torch.randn(num_slots, self.offsets[-1], rank, **dt) / rank**0.5
         self.a[0], self.b[0] = 0, 0
         self.out = torch.zeros(tokens, self.offsets[-1], **dt)
+        # the folded path's buffer [W; A] (--triton-lora.decode-path folded), with a random base weight
+        self.w_ext = torch.cat([torch.randn(self.offsets[-1], k, **dt) / k**0.5, self.a.reshape(-1, k)])
 
     def lora(self, backend) -> torch.Tensor:
         return backend.apply_lora(self.x, self.a, self.b, self.offsets, self.out)
+
+    def base(self) -> torch.Tensor:
+        """The base GEMM alone (what the folded path's LoRA cost is measured above)."""
+        return torch.nn.functional.linear(self.x, self.w_ext[: self.offsets[-1]])
+
+    def folded(self, backend) -> torch.Tensor:
+        """The folded path: the GEMM over [W; A], then the backend's expand into a fresh output."""
+        y = torch.nn.functional.linear(self.x, self.w_ext)
+        return backend.expand_folded(y, self.offsets[-1], self.b, self.offsets, torch.empty_like(self.out))
 
     def bytes_per_adapter(self) -> int:
         return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
@@ -113,6 +124,16 @@ def _check(group: Group, backend, ctx, info) -> None:
     _check_against(group, backend, _reference(group, ctx, info))
 
 
+def _check_folded(group: Group, backend, ctx, info) -> None:
+    """The folded path's output against the base GEMM plus torch_native's LoRA (bf16 tolerance)."""
+    from backplane.lora.torch_native import TorchNativeLoraBackend
+
+    native = TorchNativeLoraBackend(ctx)
+    native.prepare_batch(info)
+    want = native.apply_lora(group.x, group.a, group.b, group.offsets, group.base().clone()).float()
+    torch.testing.assert_close(group.folded(backend).float(), want, atol=5e-2, rtol=2e-2)
+
+
 def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device) -> dict:
     """Per layer at `tokens` decode tokens: fused and segmented LoRA time, the read floor, per group."""
     info, ctx, groups, distinct = _setup(model, rank, tokens, num_adapters, device)
@@ -128,12 +149,19 @@ def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device:
                            "segmented_us": time_us(lambda g=group: g.lora(segmented), device),
                            "floor_us": group.bytes_per_adapter() * distinct / peak_bytes_per_s(device.type) * 1e6,
                            "tuned": len(fused.tuned) > 0}
-    keys = ("fused_us", "fused_cold_us", "fused_automatic_us", "segmented_us", "segmented_cold_us", "floor_us")
+        _check_folded(group, fused, ctx, info)
+        base_cold = time_us(group.base, device, cold=True)
+        per_group[name].update({  # the folded path's LoRA share: its GEMM and expand, less the base GEMM
+            "folded_cold_us": time_us(lambda g=group: g.folded(fused), device, cold=True) - base_cold,
+            "base_gemm_cold_us": base_cold})
+    keys = ("fused_us", "fused_cold_us", "fused_automatic_us", "segmented_us", "segmented_cold_us", "floor_us",
+            "folded_cold_us", "base_gemm_cold_us")
     totals = {key: sum(g[key] for g in per_group.values()) for key in keys}
     layer_graph = time_us(lambda: [g.lora(fused) for g in groups.values()], device)
     return {"rank": rank, "tokens": tokens, "distinct_adapters": distinct, **totals,
             # the cold figure: the floor reads from HBM, as a model step's LoRA kernels do
             "fused_vs_floor": totals["fused_cold_us"] / totals["floor_us"], "layer_graph_us": layer_graph,
+            "folded_vs_floor": totals["folded_cold_us"] / totals["floor_us"],
             "groups": per_group}
 
 
