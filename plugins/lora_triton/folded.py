@@ -39,18 +39,19 @@ def _folded_expand_kernel(
     base = tl.load(row + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     slot = tl.load(Token_slots + t)
     if slot != 0:  # slot 0 (base only, padding) has zero A: nothing to add
-        j = tl.zeros([BLOCK_N], dtype=tl.int32)  # the slice of each column
-        if NUM_SLICES > 1:
-            j += (offs_n >= off1).to(tl.int32)
-        if NUM_SLICES > 2:
-            j += (offs_n >= off2).to(tl.int32)
         offs_r = tl.arange(0, BLOCK_R)
-        mask = mask_n[:, None] & (offs_r < R)[None, :]
-        # shrunk: [BLOCK_N, BLOCK_R], the shrink of the column's slice (one value per (slice, r))
-        first = num_base + slot.to(tl.int64) * (NUM_SLICES * R)
-        shrunk = tl.load(row + first + j[:, None] * R + offs_r[None, :], mask=mask, other=0.0).to(tl.float32)
+        mask_r = offs_r < R
+        # the token's shrink for its slot, one [BLOCK_R] vector per slice; each column takes its slice's
+        first = row + num_base + slot.to(tl.int64) * (NUM_SLICES * R)
+        shrunk = tl.load(first + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_R]
+        if NUM_SLICES > 1:
+            second = tl.load(first + R + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+            shrunk = tl.where((offs_n >= off1)[:, None], second, shrunk)  # [BLOCK_N, BLOCK_R]
+        if NUM_SLICES > 2:
+            third = tl.load(first + 2 * R + offs_r, mask=mask_r, other=0.0).to(tl.float32)[None, :]
+            shrunk = tl.where((offs_n >= off2)[:, None], third, shrunk)
         b = tl.load(B + slot.to(tl.int64) * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
+                    mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         base += tl.sum(shrunk * b, axis=1) * tl.load(Scalings + slot)
     tl.store(Out + t.to(tl.int64) * stride_o + offs_n, base.to(Out.dtype.element_ty), mask=mask_n)
 
