@@ -147,8 +147,13 @@ class LoraBackend(ABC):
         The default is `lora_a` then the matching expand; backends may fuse both into one kernel.
         """
         offsets = tuple(int(v) for v in output_offsets)
+        shrunk = self.lora_a(x, a_weights, len(offsets) - 1)
+        return self._expand_slices(shrunk, b_weights, offsets, base_output)
+
+    def _expand_slices(self, shrunk: torch.Tensor, b_weights: torch.Tensor, offsets: tuple[int, ...],
+                       base_output: torch.Tensor) -> torch.Tensor:
+        """The expand matching the slices of `offsets` (fused q/k/v or gate/up where they fit)."""
         num_slices = len(offsets) - 1
-        shrunk = self.lora_a(x, a_weights, num_slices)
         if num_slices == 3:
             return self.qkv_lora_b(shrunk, b_weights, offsets, base_output)
         if num_slices == 2 and offsets[2] == 2 * offsets[1]:
@@ -183,23 +188,16 @@ class LoraBackend(ABC):
         num_base: N; b_weights: [num_slots, N, R_max]; output_offsets: num_slices + 1 host ints from
         0 to N; out: [T, N], contiguous. Token t uses the slot batch_info.token_slots[t] (0 for
         padding and base-only requests, whose A rows are zero). Returns out.
-        The default is plain torch (a reference; it gathers each token's B); backends fuse it.
+        The default gathers each token's own shrink and runs this backend's expand on it; backends
+        fuse both into one kernel.
         """
         offsets = tuple(int(v) for v in output_offsets)
         num_slots, _, r_max = b_weights.shape
         num_tokens, width = y.shape[0], (len(offsets) - 1) * r_max
-        info = self.batch_info
-        slots = info.token_slots[:num_tokens].long()
-        shrunk = y[:, num_base:].view(num_tokens, num_slots, width)
-        shrunk = shrunk[torch.arange(num_tokens, device=y.device), slots].float()  # [T, num_slices * R_max]
-        scaling = info.scalings[slots][:, None]
+        slots = self.batch_info.token_slots[:num_tokens].long()
+        shrunk = y[:, num_base:].view(num_tokens, num_slots, width)[torch.arange(num_tokens, device=y.device), slots]
         out.copy_(y[:, :num_base])
-        for j in range(len(offsets) - 1):
-            lo, hi = offsets[j], offsets[j + 1]
-            b = b_weights[slots, lo:hi].float()  # [T, hi - lo, R_max]
-            delta = torch.einsum("tr,tnr->tn", shrunk[:, j * r_max : (j + 1) * r_max], b) * scaling
-            out[:, lo:hi] += delta.to(out.dtype)
-        return out
+        return self._expand_slices(shrunk, b_weights, offsets, out)
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the static buffers that captured graphs read; called once before capture."""
