@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import write_dummy_adapter  # noqa: E402  (bench/lora.py)
 import lora_decode_kernels  # noqa: E402
 from lora_decode_kernels import kernel_report, sweep_fused, tune_fused  # noqa: E402
+from timing import device_kernels  # noqa: E402  (bench/timing.py)
 
 TARGETS = {"lora": 1.15, "lora-off": 1.03, "kernels_vs_floor": 4.0}
 PROFILES: dict[int, dict] = {}  # batch size -> profile_steps' report (--profile)
@@ -198,9 +199,7 @@ def profile_steps(sessions: dict, steps: int) -> dict:
     for name, session in sessions.items():
         with profile(activities=activities) as prof:
             wall = sum(session.step() for _ in range(steps))
-        kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-        rows = sorted(((e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / steps, e.count / steps)
-                       for e in kernels), key=lambda r: -r[1])
+        rows = device_kernels(prof, steps)
         report[name] = {"wall_ms": wall * 1e3 / steps, "kernel_ms": sum(r[1] for r in rows),
                         "launches": sum(r[2] for r in rows), "kernels": [list(r) for r in rows[:40]]}
     return report

@@ -29,7 +29,7 @@ from backplane.engine.scheduler import Scheduler
 from backplane.models.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copy_bandwidth_tb_s  # noqa: E402  (bench/timing.py)
+from timing import copy_bandwidth_tb_s, device_kernels  # noqa: E402  (bench/timing.py)
 
 
 class PeerLlama(torch.nn.Module):
@@ -141,9 +141,7 @@ def _peer_kernels(step, ids, pos, context: int, steps: int, device) -> dict:
             pos.fill_(context + i)
             ids = step(ids, pos).clone()
         sync(device)
-    kernels = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / steps, e.count / steps)
-               for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    kernels.sort(key=lambda k: -k[1])
+    kernels = device_kernels(prof, steps)
     return {"kernel_ms": sum(k[1] for k in kernels), "launches": sum(k[2] for k in kernels), "top_kernels": kernels[:8]}
 
 
@@ -231,11 +229,7 @@ def _kernel_profile(engine: Engine, prompts, n: int) -> tuple[float, dict[str, t
         engine.generate(input_ids=prompts, sampling_params=params)
         sync(engine.runner.device)
         wall = time.perf_counter() - t
-    kernels = {}
-    for e in prof.key_averages():
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            kernels[e.key] = ((getattr(e, "self_device_time_total", 0) or 0) / 1e3, e.count)
-    return wall * 1e3, kernels
+    return wall * 1e3, {name: (ms, n) for name, ms, n in device_kernels(prof)}
 
 
 def profile_step(engine: Engine, context: int, bs: int = 1, steps: int = 32) -> dict:

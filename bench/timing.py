@@ -93,3 +93,11 @@ def peak_bytes_per_s(device: str | None = None) -> float:
     """The floors' memory speed in bytes/s: the card's measured copy bandwidth, once per process
     (device None: CUDA when there is one; off CUDA the H200's figure)."""
     return copy_bandwidth_tb_s(device or ("cuda" if torch.cuda.is_available() else "cpu")) * 1e12
+
+
+def device_kernels(prof, per: int = 1) -> list[tuple[str, float, float]]:
+    """The device kernels of a finished torch.profiler run, slowest first: (name, ms, launches), each
+    divided by `per` (e.g. the steps profiled). CUDA graph replays list their kernels one by one."""
+    rows = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / per, e.count / per)
+            for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    return sorted(rows, key=lambda r: -r[1])
