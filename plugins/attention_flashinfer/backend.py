@@ -109,17 +109,26 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # -- attention ----------------------------------------------------------------------------
 
-    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        return self._forward(q, k, v, layer, batch)
+    def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
+        """Opted in: every route reads the keys from `batch.token_to_kv_pool` (the pool the layer's
+        `rotary_kv_write` writes into), and the ragged one takes the new k, v as passed (rotated). One
+        fused launch per layer instead of FlashInfer's rotary plus two indexed writes."""
+        return True
 
-    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
-        return self._forward(q, k, v, layer, batch)
+    def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
+                       kv_written: bool = False) -> torch.Tensor:
+        return self._forward(q, k, v, layer, batch, kv_written)
 
-    def _forward(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
+                       kv_written: bool = False) -> torch.Tensor:
+        return self._forward(q, k, v, layer, batch, kv_written)
+
+    def _forward(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch, kv_written: bool) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         runner = self._runner(layer)
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        if not kv_written:
+            pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         kv_cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [pages, page_size=1, Hkv, D]
         return runner(q, k, v, kv_cache)

@@ -604,6 +604,49 @@ def _unchecked_run(wrapper, q, paged_kv_cache):
     return wrapper._outputs(q, per_request, False)
 
 
+@pytest.mark.parametrize(
+    "mode, seq_lens, new_lens",
+    [(ForwardMode.EXTEND, [1, 7, 20], [1, 3, 9]), (ForwardMode.EXTEND, [4, 9], [4, 9]),
+     (ForwardMode.DECODE, [1, 7, 20], [1, 1, 1])],
+)
+def test_attention_layer_writes_kv_with_rotary_for_flashinfer(fake_flashinfer, mode, seq_lens, new_lens):
+    """The backend opts in to `fuses_rotary_kv_write`: the attention layer rotates and writes K/V in
+    one op and calls it with kv_written=True. Output and pool equal the unfused layer over
+    torch_native (which rotates, then writes K/V itself), on every route (ragged, ragged+prefix, decode)."""
+    from backplane.layers.attention import Attention
+    from backplane.layers.rotary import RotaryEmbedding
+    from backplane.ops.dispatch import CustomOps
+
+    outputs, pools = [], []
+    for name in ("flashinfer", "torch_native"):
+        batch, _ = _make_batch(mode, seq_lens, new_lens, seed=7)
+        backend = _backend(batch) if name == "flashinfer" else TorchNativeAttnBackend(_backend(batch).ctx)
+        assert backend.fuses_rotary_kv_write(batch) == (name == "flashinfer")
+        ctx = types.SimpleNamespace(attn_backend=backend, ops=CustomOps.native())
+        rotary = RotaryEmbedding(16, 16, MAX_CONTEXT, 10000.0, None, True, ctx)
+        layer = Attention(4, 2, 16, 0.25, 0, ctx)
+        gen = torch.Generator().manual_seed(8)
+        q, k, v = (torch.randn(batch.num_tokens, h * 16, generator=gen) for h in (4, 2, 2))
+        calls = []
+        real_forward = backend.forward
+        backend.forward = _recording(real_forward, calls)
+        backend.init_forward_metadata(batch)
+        outputs.append(layer(q, k, v, batch, rotary=rotary, positions=batch.positions))
+        assert calls == [name == "flashinfer"]
+        pools.append((batch.token_to_kv_pool.k_buffers[0].clone(), batch.token_to_kv_pool.v_buffers[0].clone()))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+    for ours, ref in zip(pools[0], pools[1]):
+        torch.testing.assert_close(ours, ref)
+
+
+def _recording(forward, calls: list):
+    """`forward`, appending each call's kv_written to `calls`."""
+    def wrapped(*args, **kwargs):
+        calls.append(kwargs.get("kv_written", False))
+        return forward(*args, **kwargs)
+    return wrapped
+
+
 def test_verify_graph_with_tree_mask(fake_flashinfer):
     batch, new_kv = _make_batch(ForwardMode.TARGET_VERIFY, [5, 9], [3, 3], mask=True, seed=6)
     backend = _backend(batch)
