@@ -67,8 +67,8 @@ class TritonLoraBackend(LoraBackend):
         self.tuned = tuned.table_for(ctx.device, getattr(options, "configs", None), MAX_GROUPS) if use_table \
             else tuned.TunedTable()
         self._launch_configs: dict[tuple, FusedConfig] = {}
-        # --triton-lora.decode-path folded: the core stacks A under the base weight for decode batches
-        self.folds_shrink = getattr(options, "decode_path", "fused") == "folded"
+        # --triton-lora.decode-path folded (the default): the core stacks A under the base weight for decode batches
+        self.folds_shrink = getattr(options, "decode_path", "folded") == "folded"
 
     def _fuses(self, num_tokens: int) -> bool:
         return num_tokens <= min(self.tuning.fused_max_tokens, FUSED_MAX_TOKENS)

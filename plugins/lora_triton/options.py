@@ -18,7 +18,7 @@ class TritonLoraOptions(BaseModel):
     )
     tuned: bool = Field(True, description="use the measured table; false: the read model chooses every launch")
     decode_path: Literal["fused", "folded"] = Field(
-        "fused",
+        "folded",
         description="decode-sized batches: 'fused', one shrink-and-expand kernel per projection group after the "
         "base GEMM; 'folded', every adapter slot's A stacked under the base weight so the base GEMM also "
         "shrinks, then one expand kernel (folded.py)",

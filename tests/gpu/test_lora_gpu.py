@@ -18,7 +18,7 @@ from lora_helpers import forward_requests, hf_logits, make_lora_world
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ["triton", "torch_native", "triton-folded"]  # triton-folded: --triton-lora.decode-path folded
+BACKENDS = ["triton", "torch_native", "triton-fused"]  # triton: decode path folded (default); triton-fused: fused
 TOLERANCE = 5e-2  # bf16 against fp32 transformers (as in test_models_vs_hf)
 PROMPTS = [[5, 17, 33, 2, 9], list(range(40, 53)), [7], [101, 3, 250, 77], [12, 13, 14], [8, 200, 31]]
 MIXED = ["all7_r4", None, "qv_down_r8", "kogu_r2", "all7_r4", None]
@@ -35,8 +35,8 @@ def world(tmp_path_factory):
 
 
 def gpu_engine(world, backend: str, **kwargs) -> Engine:
-    if backend == "triton-folded":  # the shrink folded into the base GEMM for passes of <= 64 tokens
-        backend, kwargs = "triton", {**kwargs, "plugin_options": {"triton-lora": {"decode_path": "folded"}}}
+    if backend == "triton-fused":  # one shrink-and-expand kernel per projection group after the base GEMM
+        backend, kwargs = "triton", {**kwargs, "plugin_options": {"triton-lora": {"decode_path": "fused"}}}
     settings = dict(device="cuda", dtype="bfloat16", max_total_tokens=8192, max_running_requests=32,
                     cuda_graph_max_bs=16, lora_paths=world.lora_paths(), max_loras_per_batch=3,
                     lora_backend=backend)

@@ -21,7 +21,8 @@ def engine(tmp_path_factory):
     world = make_lora_world(tmp_path_factory.mktemp("lora-decode"))
     engine = Engine(str(world.base_dir), device="cpu", dtype="float32", max_total_tokens=512,
                     max_running_requests=4, lora_paths=world.lora_paths(), lora_backend="triton",
-                    max_loras_per_batch=3, cuda_graph_bs=[1, 2, 4])
+                    max_loras_per_batch=3, cuda_graph_bs=[1, 2, 4],
+                    plugin_options={"triton-lora": {"decode_path": "fused"}})
     engine.graphs = with_fake_graphs(engine)  # the graph runner's keys, padding and replay binding
     return engine
 
@@ -61,7 +62,7 @@ def test_decode_steps_of_the_same_requests_copy_no_batch_info(engine, monkeypatc
 
 
 def test_folded_decode_path_generates_what_the_fused_one_does(engine, tmp_path, monkeypatch):
-    """--triton-lora.decode-path folded: passes of at most 64 tokens (here the 10-token prefill and the
+    """--triton-lora.decode-path folded (the default; the module's engine takes `fused`): passes of at most 64 tokens (here the 10-token prefill and the
     padded decode steps) run the base GEMM over [W; A] and one expand per projection, and greedy
     tokens equal the fused path's."""
     from backplane.plugins.lora_triton import folded
@@ -71,8 +72,7 @@ def test_folded_decode_path_generates_what_the_fused_one_does(engine, tmp_path, 
     world = make_lora_world(tmp_path)
     folded_engine = Engine(str(world.base_dir), device="cpu", dtype="float32", max_total_tokens=512,
                            max_running_requests=4, lora_paths=world.lora_paths(), lora_backend="triton",
-                           max_loras_per_batch=3, cuda_graph_bs=[1, 2, 4],
-                           plugin_options={"triton-lora": {"decode_path": "folded"}})
+                           max_loras_per_batch=3, cuda_graph_bs=[1, 2, 4])
     folded_engine.graphs = with_fake_graphs(folded_engine)
     expands = []
     real = folded.folded_expand

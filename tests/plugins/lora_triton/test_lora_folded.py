@@ -155,8 +155,8 @@ def test_triton_option_selects_the_folded_decode_path():
     from backplane.plugins.lora_triton.backend import TritonLoraBackend
     from backplane.plugins.lora_triton.options import TritonLoraOptions
 
-    assert not TritonLoraBackend(make_ctx(TritonLoraOptions())).folds_shrink  # fused stays the default
-    backend = TritonLoraBackend(make_ctx(TritonLoraOptions(decode_path="folded")))
+    assert not TritonLoraBackend(make_ctx(TritonLoraOptions(decode_path="fused"))).folds_shrink
+    backend = TritonLoraBackend(make_ctx(TritonLoraOptions()))  # folded is the default
     assert backend.folds(64) and not backend.folds(65)  # decode-sized batches only; prefill keeps the segments
     with pytest.raises(ValueError, match="decode_path"):
         TritonLoraOptions(decode_path="bgmv")
