@@ -7,8 +7,9 @@ In a plugin's test suite:
 
 Each case is one projection the way the core calls it (core/lora/layers.py): either `apply_lora`
 (shrink and expand in one call, fused cases: what every layer without a tensor-parallel input split
-runs) or the stacked shrink `lora_a`, then the fused q/k/v expand, the fused gate/up expand, or the
-plain `lora_b` (split cases), over a batch of segments that mixes adapters of different ranks
+runs), or the stacked shrink `lora_a`, then the fused q/k/v expand, the fused gate/up expand, or the
+plain `lora_b` (split cases), or `expand_folded` after the base GEMM over the weight with every
+slot's A under it (folded cases: the decode path of a backend with `folds_shrink`), over a batch of segments that mixes adapters of different ranks
 (8 to 64, and scalings) with base-only segments (slot 0, rank 0). Weights follow the core's layout: A zero beyond each slot's rank, B random
 there (a backend must ignore it). Rows not covered by a segment must stay untouched.
 
@@ -38,7 +39,8 @@ NUM_UNCOVERED = 3  # extra rows after the batch's tokens in eager cases
 @dataclass(frozen=True)
 class Case:
     """One check. projection: "qkv" (3 slices), "gate_up" (2) or "single" (o/down-like, 1);
-    fused: call `apply_lora` instead of the separate products; ranks: per slot, at most r_max."""
+    fused: call `apply_lora` instead of the separate products; folded: `expand_folded` on the output
+    of x @ [W; A]^T; ranks: per slot, at most r_max."""
 
     name: str
     seg_lens: tuple[int, ...]
@@ -46,6 +48,7 @@ class Case:
     projection: str
     graph: bool = False
     fused: bool = False
+    folded: bool = False
     r_max: int = R_MAX
     ranks: tuple[int, ...] = RANKS
 
@@ -80,6 +83,17 @@ def base_cases(small: bool) -> list[Case]:
         Case("graph-fused-decode-gate-up-rank-64", (1,) * 11, cycle[:11], "gate_up", graph=True, fused=True,
              r_max=64, ranks=RANKS_64),
         Case("graph-fused-verify-single", (4, 4, 4), (1, 0, 3), "single", graph=True, fused=True),
+        # expand_folded: passes of up to 64 tokens (decode batches, verify and short prefill chunks)
+        Case("folded-decode-1", (1,), (2,), "qkv", folded=True),
+        Case("folded-decode-17", (1,) * 17, cycle, "gate_up", folded=True),
+        Case("folded-decode-17-rank-64", (1,) * 17, cycle, "qkv", folded=True, r_max=64, ranks=RANKS_64),
+        Case("folded-mixed-single-rank-64", (5, 1, 1, 8, 3), (3, 3, 0, 1, 2), "single", folded=True, r_max=64,
+             ranks=RANKS_64),
+        Case("folded-base-only", (1,) * 4, (0,) * 4, "qkv", folded=True),
+        Case("graph-folded-decode-qkv", (1,) * 5, (2, 0, 4, 2, 1), "qkv", graph=True, folded=True),
+        Case("graph-folded-decode-gate-up-rank-64", (1,) * 11, cycle[:11], "gate_up", graph=True, folded=True,
+             r_max=64, ranks=RANKS_64),
+        Case("graph-folded-verify-single", (4, 4, 4), (1, 0, 3), "single", graph=True, folded=True),
     ]
 
 
@@ -127,7 +141,14 @@ class Problem:
                                            self.device, max_segments)
 
     def run(self, backend, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The core's call sequence for this projection kind; adds the LoRA delta to `out` in place."""
+        """The core's call sequence for this projection kind; adds the LoRA delta to `out` in place.
+        A folded case stands `out` in for the base columns of the GEMM over [W; A] (every slot's A
+        under the weight, slot-major, as LoraLinear keeps them) and lets the backend write base +
+        delta back into it."""
+        if self.case.folded:
+            shrink = x.float() @ self.a.reshape(-1, self.in_features).float().T  # every slot's x A^T
+            y = torch.cat([out, shrink.to(out.dtype)], dim=1)
+            return backend.expand_folded(y, self.offsets[-1], self.b, self.offsets, out)
         if self.case.fused:
             return backend.apply_lora(x, self.a, self.b, self.offsets, out)
         shrunk = backend.lora_a(x, self.a, len(self.offsets) - 1)
@@ -159,7 +180,8 @@ def assert_close(case: Case, got: torch.Tensor, want: torch.Tensor, dtype: torch
 def check_eager(spec, case: Case, device: str, dtype: torch.dtype, seed: int = 0) -> None:
     problem = Problem(case, dtype, device, seed)
     num_tokens = sum(case.seg_lens)
-    x, base = problem.inputs(num_tokens + NUM_UNCOVERED)
+    # a folded pass covers every row it is given: the core calls it with the batch's tokens only
+    x, base = problem.inputs(num_tokens + (0 if case.folded else NUM_UNCOVERED))
     backend = spec.factory(problem.context(len(case.seg_lens), x.shape[0]))
     backend.prepare_batch(problem.info(case.seg_lens, case.slots, len(case.seg_lens)))
     out = problem.run(backend, x, base.clone())
