@@ -100,22 +100,27 @@ def run_engine(ns, backend: str, shapes) -> dict:
     # cache is emptied so the timed run finds nothing of the warm-up's.
     for _ in range(2):
         engine.generate(input_ids=prompts[:4], sampling_params=params[:4])
-    engine.scheduler.prefix_cache.clear()
-    _sync(ns.device)
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    _sync(ns.device)
-    elapsed = time.perf_counter() - start
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"{backend}: {len(errors)} requests failed, first: {errors[0]}")
+    # --repeats: the whole workload again, each on an emptied prefix cache; the row is the median
+    # run, and the spread tells a one-off cost (a first-use compile, say) from the steady state.
+    runs = []
+    for _ in range(ns.repeats):
+        engine.scheduler.prefix_cache.clear()
+        _sync(ns.device)
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        _sync(ns.device)
+        runs.append((time.perf_counter() - start, outs))
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"{backend}: {len(errors)} requests failed, first: {errors[0]}")
+    elapsed, outs = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
     tokens = sum(len(o.token_ids) for o in outs)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_per_token, matmul_params = model_sizes(runner.hf_config, runner.token_to_kv_pool.k_buffers[0].element_size())
     row = {"backend": backend, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
            "tpot_ms": statistics.median(o.tpot_s for o in outs if o.tpot_s is not None) * 1e3,
            "ttft_ms": statistics.median(o.ttft_s for o in outs) * 1e3,
-           "graphs": runner.graph_runner is not None,
+           "graphs": runner.graph_runner is not None, "runs_s": [r[0] for r in runs],
            "floor_s": floor_seconds(shapes, weight_bytes, kv_per_token, matmul_params, ns.copy_tb_s),
            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token}
     del engine, runner
@@ -187,6 +192,7 @@ def main() -> None:
     p.add_argument("--fixed-shape", type=int, nargs=2, default=(1024, 256), metavar=("INPUT", "OUTPUT"))
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"])
     p.add_argument("--hf-requests", type=int, default=64, help="requests transformers runs (0: skip it)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of the workload per backend (median reported)")
     p.add_argument("--out", default=None)
     p.add_argument("--refloor", metavar="REPORT.json", help="only recompute the floor columns of a report")
     ns = p.parse_args()
@@ -219,7 +225,8 @@ def main() -> None:
             floor = f"{r['floor_tok_s']:>11.0f} {r['vs_floor']:>8.0%}" if "floor_s" in r else f"{'-':>11} {'-':>8}"
             tpot = f"{r['tpot_ms']:>8.2f}" if "tpot_ms" in r else f"{r['step_ms']:>8.2f}"
             ttft = f"{r['ttft_ms']:>8.0f}" if "ttft_ms" in r else f"{'-':>8}"
-            lines.append(f"{r['backend']:>13} {r['tok_s']:>9.0f} {tpot} {ttft} {vs_hf:>6} {floor}")
+            runs = f"  runs s: {' '.join(f'{t:.2f}' for t in r['runs_s'])}" if len(r.get("runs_s", ())) > 1 else ""
+            lines.append(f"{r['backend']:>13} {r['tok_s']:>9.0f} {tpot} {ttft} {vs_hf:>6} {floor}{runs}")
         if hf:
             lines.append(f"  (transformers: first {hf['requests']} requests in one batch; its TPOT column is its step time)")
     if ns.out:

@@ -4,7 +4,8 @@
 #   bench/gpu_suite.sh kernels    bench/attention.py --sweep, bench/graph_runner.py, bench/lora.py
 #   bench/gpu_suite.sh serving    bench/spec.py, bench/tp.sh's single-GPU part, bench/e2e.py (1B)
 #   bench/gpu_suite.sh e2e-1b     bench/e2e.py for llama-3.2-1b, triton and flashinfer, no transformers run
-#   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot
+#   bench/gpu_suite.sh e2e-8b     bench/e2e.py for llama-3.1-8b, then the plot (E2E_HF=0 skips transformers;
+#                                 E2E_REPEATS=N times each workload N times, e2e-1b too)
 #   bench/gpu_suite.sh attention-1b  bench/attention.py decode at head dim 64 (llama-3.2-1b) and bs 1/8/32 x 512,
 #                                 the launch-setting sweep beside the default config and FlashInfer
 #   bench/gpu_suite.sh recheck    attention decode (default configs), spec with a kernel profile (both triton
@@ -121,9 +122,10 @@ case "$what" in
     step e2e-llama-3.2-1b 280 python3 bench/e2e.py --model llama-3.2-1b --out "$out/e2e-llama-3.2-1b.json" ;;&
   e2e-1b)  # issue 20's floor target alone: the engine on both backends, no transformers baseline
     step e2e-llama-3.2-1b 300 python3 bench/e2e.py --model llama-3.2-1b --hf-requests 0 \
-      --out "$out/e2e-llama-3.2-1b.json" ;;
+      ${E2E_REPEATS:+--repeats $E2E_REPEATS} --out "$out/e2e-llama-3.2-1b.json" ;;
   e2e-8b|all)
-    step e2e-llama-3.1-8b 500 python3 bench/e2e.py --model llama-3.1-8b --out "$out/e2e-llama-3.1-8b.json"
+    step e2e-llama-3.1-8b 500 python3 bench/e2e.py --model llama-3.1-8b ${E2E_HF:+--hf-requests $E2E_HF} \
+      ${E2E_REPEATS:+--repeats $E2E_REPEATS} --out "$out/e2e-llama-3.1-8b.json"
     plot ;;
   attention-1b)  # the decode kernels at llama-3.2-1b's head dim and peer_decode's shapes, with the sweep
     step attention-decode-1b 400 python3 bench/attention.py --only decode --sweep --head-dim 64 \
