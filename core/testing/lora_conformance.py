@@ -21,7 +21,7 @@ real CUDA graph on CUDA, and as the same capture/replay metadata calls run eager
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,7 +61,7 @@ def base_cases(small: bool) -> list[Case]:
     lengths short (CPU, the Triton interpreter)."""
     long = 67 if small else 700
     cycle = tuple(i % len(RANKS) for i in range(17))
-    return [
+    cases = [
         Case("mixed-qkv", (3, 1, 17, 5, 2), (1, 0, 2, 3, 1), "qkv"),
         Case("mixed-gate-up", (2, 9, 1, 4), (4, 2, 0, 3), "gate_up"),
         Case("mixed-single", (5, 1, 1, 8, 3), (3, 3, 0, 1, 2), "single"),
@@ -83,18 +83,12 @@ def base_cases(small: bool) -> list[Case]:
         Case("graph-fused-decode-gate-up-rank-64", (1,) * 11, cycle[:11], "gate_up", graph=True, fused=True,
              r_max=64, ranks=RANKS_64),
         Case("graph-fused-verify-single", (4, 4, 4), (1, 0, 3), "single", graph=True, fused=True),
-        # expand_folded: passes of up to 64 tokens (decode batches, verify and short prefill chunks)
-        Case("folded-decode-1", (1,), (2,), "qkv", folded=True),
-        Case("folded-decode-17", (1,) * 17, cycle, "gate_up", folded=True),
-        Case("folded-decode-17-rank-64", (1,) * 17, cycle, "qkv", folded=True, r_max=64, ranks=RANKS_64),
-        Case("folded-mixed-single-rank-64", (5, 1, 1, 8, 3), (3, 3, 0, 1, 2), "single", folded=True, r_max=64,
-             ranks=RANKS_64),
-        Case("folded-base-only", (1,) * 4, (0,) * 4, "qkv", folded=True),
-        Case("graph-folded-decode-qkv", (1,) * 5, (2, 0, 4, 2, 1), "qkv", graph=True, folded=True),
-        Case("graph-folded-decode-gate-up-rank-64", (1,) * 11, cycle[:11], "gate_up", graph=True, folded=True,
-             r_max=64, ranks=RANKS_64),
-        Case("graph-folded-verify-single", (4, 4, 4), (1, 0, 3), "single", graph=True, folded=True),
     ]
+    # expand_folded on the same batches as apply_lora's, but for the long prefill: the core folds
+    # passes of up to 64 tokens (decode batches, verify and short prefill chunks) only
+    folded = [replace(c, name=c.name.replace("fused", "folded"), fused=False, folded=True)
+              for c in cases if c.fused and sum(c.seg_lens) <= 64]
+    return cases + folded
 
 
 def slice_sizes(projection: str) -> tuple[int, list[int]]:
