@@ -9,9 +9,10 @@ Each case is one projection the way the core calls it (core/lora/layers.py): eit
 (shrink and expand in one call, fused cases: what every layer without a tensor-parallel input split
 runs), or the stacked shrink `lora_a`, then the fused q/k/v expand, the fused gate/up expand, or the
 plain `lora_b` (split cases), or `expand_folded` after the base GEMM over the weight with every
-slot's A under it (folded cases: the decode path of a backend with `folds_shrink`), over a batch of segments that mixes adapters of different ranks
-(8 to 64, and scalings) with base-only segments (slot 0, rank 0). Weights follow the core's layout: A zero beyond each slot's rank, B random
-there (a backend must ignore it). Rows not covered by a segment must stay untouched.
+slot's A under it (folded cases: the decode path of a backend with `folds_shrink`), over a batch of
+segments that mixes adapters of different ranks (8 to 64, and scalings) with base-only segments
+(slot 0, rank 0). Weights follow the core's layout: A zero beyond each slot's rank, B random there
+(a backend must ignore it). Rows not covered by a segment must stay untouched.
 
 Graph cases capture the products at a padded batch size with every segment on slot 0, then refresh
 the batch info in place with two different real batches (padding on slot 0) and replay: inside a
