@@ -23,6 +23,7 @@ from backplane.lora import LoraBackend, LoraBackendContext, host_offsets
 from backplane.lora import LoraBatchInfo
 from backplane.plugins.lora_triton import folded, fused, kernels, tuned
 from backplane.plugins.lora_triton.fused import FUSED_MAX_TOKENS, MAX_GROUPS, FusedBuffers, FusedConfig
+from backplane.plugins.lora_triton.options import TritonLoraOptions
 from backplane.plugins.lora_triton.plan import MAX_SHRINK_COL_BLOCKS, TilePlan, max_tiles
 
 
@@ -62,13 +63,13 @@ class TritonLoraBackend(LoraBackend):
         self._graph_key: Any = None  # the graph whose metadata was bound last
         self._split_keys: set[Any] = set()  # graphs whose capture ran the separate products
         self._fused_buffers: list[FusedBuffers] = []  # the last one is used; older ones stay alive
-        options = ctx.options
-        use_table = getattr(options, "tuned", True) and self.tuning.fused_config == FusedConfig()
-        self.tuned = tuned.table_for(ctx.device, getattr(options, "configs", None), MAX_GROUPS) if use_table \
+        options = ctx.options or TritonLoraOptions()  # the defaults live in the options model only
+        use_table = options.tuned and self.tuning.fused_config == FusedConfig()
+        self.tuned = tuned.table_for(ctx.device, options.configs, MAX_GROUPS) if use_table \
             else tuned.TunedTable()
         self._launch_configs: dict[tuple, FusedConfig] = {}
         # --triton-lora.decode-path folded (the default): the core stacks A under the base weight for decode batches
-        self.folds_shrink = getattr(options, "decode_path", "folded") == "folded"
+        self.folds_shrink = options.decode_path == "folded"
 
     def _fuses(self, num_tokens: int) -> bool:
         return num_tokens <= min(self.tuning.fused_max_tokens, FUSED_MAX_TOKENS)
