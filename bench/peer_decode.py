@@ -29,7 +29,7 @@ from backplane.engine.scheduler import Scheduler
 from backplane.models.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copy_bandwidth_tb_s, device_kernels  # noqa: E402  (bench/timing.py)
+from timing import copy_bandwidth_tb_s, device_gaps, device_kernels  # noqa: E402  (bench/timing.py)
 
 
 class PeerLlama(torch.nn.Module):
@@ -218,8 +218,8 @@ def weight_floor_ms(engine: Engine, tb_s: float) -> float:
     return total / (tb_s * 1e12) * 1e3
 
 
-def _kernel_profile(engine: Engine, prompts, n: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """(wall ms, {kernel: (device ms, launches)}) of one generate of n tokens under torch.profiler."""
+def _kernel_profile(engine: Engine, prompts, n: int) -> tuple[float, dict[str, tuple[float, int]], dict]:
+    """(wall ms, {kernel: (device ms, launches)}, device_gaps) of one generate of n tokens under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
@@ -229,7 +229,7 @@ def _kernel_profile(engine: Engine, prompts, n: int) -> tuple[float, dict[str, t
         engine.generate(input_ids=prompts, sampling_params=params)
         sync(engine.runner.device)
         wall = time.perf_counter() - t
-    return wall * 1e3, {name: (ms, n) for name, ms, n in device_kernels(prof)}
+    return wall * 1e3, {name: (ms, n) for name, ms, n in device_kernels(prof)}, device_gaps(prof)
 
 
 def profile_step(engine: Engine, context: int, bs: int = 1, steps: int = 32) -> dict:
@@ -242,17 +242,24 @@ def profile_step(engine: Engine, context: int, bs: int = 1, steps: int = 32) -> 
     for overlap in (True, False):
         set_overlap(engine, overlap)
         _kernel_profile(engine, prompts, 1 + steps)  # warm-up
-        short_wall, short = _kernel_profile(engine, prompts, 1)
-        long_wall, long = _kernel_profile(engine, prompts, 1 + steps)
-        per = {k: ((ms - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
-               for k, (ms, n) in long.items()}
+        short_wall, short, short_gaps = _kernel_profile(engine, prompts, 1)
+        long_wall, long, long_gaps = _kernel_profile(engine, prompts, 1 + steps)
+        per = _per_step(long, short, steps)
+        gaps = sorted(_per_step(long_gaps, short_gaps, steps).items(), key=lambda kv: -kv[1][0])[:6]
         wall, device = (long_wall - short_wall) / steps, sum(ms for ms, _ in per.values())
         top = sorted(per.items(), key=lambda kv: -kv[1][0])[:8]
         report["overlap" if overlap else "no_overlap"] = {
             "wall_ms": wall, "kernel_ms": device, "host_or_gap_ms": wall - device,
-            "launches": sum(n for _, n in per.values()), "top_kernels": [(k[:70], ms, n) for k, (ms, n) in top]}
+            "launches": sum(n for _, n in per.values()), "top_kernels": [(k[:70], ms, n) for k, (ms, n) in top],
+            "top_gaps": [(k, ms, n) for k, (ms, n) in gaps]}
     set_overlap(engine, True)
     return report
+
+
+def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, float]]:
+    """{name: (ms, count)} of the long run minus the short one, per decode step."""
+    return {k: ((ms - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
+            for k, (ms, n) in long.items()}
 
 
 def host_functions(engine: Engine, context: int, bs: int, steps: int = 32, top: int = 30) -> dict[str, list]:
@@ -346,6 +353,8 @@ def table(rows: list[dict]) -> str:
                          f"{q['launches']:6.0f}")
         lines.append("  top kernels (overlap): " + "; ".join(f"{k[:40]} {ms:.3f} ms x{n:.0f}"
                                                         for k, ms, n in p["overlap"]["top_kernels"][:5]))
+        lines.append("  device idle before (overlap): " + "; ".join(
+            f"{k} {ms:.3f} ms x{n:.0f}" for k, ms, n in p["overlap"].get("top_gaps", [])[:4]))
         peer = r.get("peer_profile")
         if peer:
             lines.append(f"  peer: kernels {peer['kernel_ms']:.3f} ms, {peer['launches']:.0f} launches; top: " + "; ".join(

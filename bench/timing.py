@@ -95,6 +95,25 @@ def peak_bytes_per_s(device: str | None = None) -> float:
     return copy_bandwidth_tb_s(device or ("cuda" if torch.cuda.is_available() else "cpu")) * 1e12
 
 
+def device_gaps(prof) -> dict[str, tuple[float, int]]:
+    """Idle device time in a finished torch.profiler run, by the pair of device operations around
+    each gap: {"previous -> next": (ms, count)}. A gap is time when no device operation runs (on any
+    stream) between one operation's end and the next one's start: the device waiting for the host,
+    or per-launch cost inside a replayed graph."""
+    ops = sorted(((e.time_range.start, e.time_range.end, e.key) for e in prof.events()
+                  if str(getattr(e, "device_type", "")).endswith("CUDA")), key=lambda o: o[0])
+    gaps: dict[str, tuple[float, int]] = {}
+    busy_until, previous = None, None
+    for start, end, name in ops:
+        if busy_until is not None and start > busy_until:
+            key = f"{previous[:32]} -> {name[:32]}"
+            ms, n = gaps.get(key, (0.0, 0))
+            gaps[key] = (ms + (start - busy_until) / 1e3, n + 1)
+        if busy_until is None or end >= busy_until:
+            busy_until, previous = end, name
+    return gaps
+
+
 def device_kernels(prof, per: int = 1) -> list[tuple[str, float, float]]:
     """The device kernels of a finished torch.profiler run, slowest first: (name, ms, launches), each
     divided by `per` (e.g. the steps profiled). CUDA graph replays list their kernels one by one."""
