@@ -17,11 +17,13 @@ class FlashInferOptions(BaseModel):
     )
     decode_use_tensor_cores: Literal["auto", "true", "false"] = Field(
         default="auto",
-        description="decode through the tensor-core (prefill) kernel; auto: when num_heads / num_kv_heads >= 4",
+        description="decode through the tensor-core (prefill) kernel; auto: when num_heads / num_kv_heads > 4",
     )
 
     def use_tensor_cores(self, num_heads: int, num_kv_heads: int) -> bool:
         """Whether decode uses tensor cores for this head layout."""
         if self.decode_use_tensor_cores == "auto":
-            return num_heads // num_kv_heads >= 4
+            # At a group of 4 (Llama 3.2 1B and 3.1 8B) the CUDA-core decode kernel is the faster one
+            # on an H100, and its planner is cheaper (docs/performance.md, "CUDA-core decode").
+            return num_heads // num_kv_heads > 4
         return self.decode_use_tensor_cores == "true"

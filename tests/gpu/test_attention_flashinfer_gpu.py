@@ -166,7 +166,7 @@ MAIN_GRID = [  # bf16, head dim 128: (mode, num_heads, num_kv_heads, seq_lens, n
     (E, 32, 8, [7, 129, 1000, 3], [7, 100, 17, 1], False),  # prefixes (one empty): ragged + paged, merged
     (E, 8, 8, _lens(17, 1), [max(1, n // 3) for n in _lens(17, 1)], False),  # batch 17, GQA 1
     (E, 32, 4, [129, 1000, 7], [5, 3, 7], True),  # extend with a custom mask
-    (D, 32, 8, [1000], [1], False),  # batch 1
+    (D, 32, 8, [1000], [1], False),  # batch 1, GQA 4: CUDA-core decode kernel (auto)
     (D, 8, 8, [1, 7, 129], [1, 1, 1], False),  # GQA 1: CUDA-core decode kernel
     (D, 32, 4, _lens(17, 2), [1] * 17, False),  # batch 17, GQA 8: tensor-core decode
     (V, 32, 8, [10, 129, 1000], [4, 4, 4], True),  # random tree mask

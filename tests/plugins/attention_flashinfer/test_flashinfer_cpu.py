@@ -118,7 +118,8 @@ def test_ops_fall_back_to_native_on_cpu_tensors():
 
 
 def test_decode_tensor_core_option():
-    assert FlashInferOptions().use_tensor_cores(32, 8) is True
+    assert FlashInferOptions().use_tensor_cores(64, 8) is True  # group 8
+    assert FlashInferOptions().use_tensor_cores(32, 8) is False  # group 4: the CUDA-core kernel
     assert FlashInferOptions().use_tensor_cores(32, 16) is False
     assert FlashInferOptions(decode_use_tensor_cores="true").use_tensor_cores(8, 8) is True
     assert FlashInferOptions(decode_use_tensor_cores="false").use_tensor_cores(32, 4) is False
