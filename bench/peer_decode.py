@@ -354,7 +354,7 @@ def table(rows: list[dict]) -> str:
         lines.append("  top kernels (overlap): " + "; ".join(f"{k[:40]} {ms:.3f} ms x{n:.0f}"
                                                         for k, ms, n in p["overlap"]["top_kernels"][:5]))
         lines.append("  device idle before (overlap): " + "; ".join(
-            f"{k} {ms:.3f} ms x{n:.0f}" for k, ms, n in p["overlap"].get("top_gaps", [])[:4]))
+            f"{k} {ms:.3f} ms x{n:.0f}" for k, ms, n in p["overlap"]["top_gaps"][:4]))
         peer = r.get("peer_profile")
         if peer:
             lines.append(f"  peer: kernels {peer['kernel_ms']:.3f} ms, {peer['launches']:.0f} launches; top: " + "; ".join(
