@@ -25,12 +25,12 @@ _LAZY = {
     "AsyncEngine": "backplane.engine",
     "Engine": "backplane.engine",
     "SamplingParams": "backplane.engine",
-    "ForwardBatch": "backplane.executor.batch",
-    "ForwardMode": "backplane.executor.batch",
-    "AttentionBackend": "backplane.attention.base",
+    "ForwardBatch": "backplane.contracts.batch",
+    "ForwardMode": "backplane.contracts.batch",
+    "AttentionBackend": "backplane.contracts.attention",
     "capture_graph": "backplane.executor.graph_runner",
-    "ReqToTokenPool": "backplane.executor.memory",
-    "TokenToKVPool": "backplane.executor.memory",
+    "ReqToTokenPool": "backplane.contracts.memory",
+    "TokenToKVPool": "backplane.contracts.memory",
 }
 
 __all__ = [

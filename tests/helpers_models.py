@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 # Tiny shapes shared by every architecture; vocab 300 holds the byte tokenizer's ids.
 TINY_SHAPE = dict(

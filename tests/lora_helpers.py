@@ -12,9 +12,9 @@ import torch
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.request import Req
 from backplane.engine.sampling_params import SamplingParams
-from backplane.executor.batch import ForwardMode
+from backplane.contracts.batch import ForwardMode
 from backplane.executor.graph_runner import GraphRunner, pad_into
-from backplane.models.base import ModelOutput
+from backplane.contracts.model import ModelOutput
 from helpers_models import make_hf_model, tiny_hf_config
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

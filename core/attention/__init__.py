@@ -1,6 +1,6 @@
 """Attention: the AttentionBackend contract and the builtin torch_native reference backend."""
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
 
 
 def __getattr__(name):

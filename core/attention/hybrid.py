@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from backplane.attention.base import AttentionBackend, AttentionLayerInfo
-from backplane.executor.batch import ForwardBatch
+from backplane.contracts.attention import AttentionBackend, AttentionLayerInfo
+from backplane.contracts.batch import ForwardBatch
 
 
 class HybridAttnBackend(AttentionBackend):

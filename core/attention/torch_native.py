@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from backplane.attention.base import (
+from backplane.contracts.attention import (
     AttentionBackend,
     AttentionBackendContext,
     AttentionLayerInfo,
 )
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.plugin.registry import ALL_MODES, AttentionBackendSpec
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 
 # Optional ForwardBatch tensors sent when set. The *_cpu ones are host copies; the others are
 # device tensors the scheduler never sets (tests' forwards set logits_indices; custom_mask and

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from backplane.executor.batch import ForwardBatch, ForwardMode, HostBatch
+from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
 from backplane.engine.overlap import FutureTokens
 from backplane.engine.request import Req
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 
 def _assign_slots(reqs: list[Req], counts: list[int], kv_pool: TokenToKVPool) -> torch.Tensor:

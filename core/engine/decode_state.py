@@ -25,8 +25,8 @@ import torch
 from backplane.engine.batch_builder import build_decode_batch
 from backplane.engine.overlap import FutureTokens
 from backplane.engine.request import Req
-from backplane.executor.batch import ForwardBatch, ForwardMode, HostBatch
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 _ROW = attrgetter("row")
 _NUM_CACHED = attrgetter("num_cached")

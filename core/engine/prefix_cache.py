@@ -32,7 +32,7 @@ import torch
 
 from backplane.engine.radix import RadixTree
 from backplane.engine.request import Req
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 # A waiting request whose prompt shares at least this many leading tokens with a request chosen for
 # the same prefill batch, more than the tree holds, waits while that request computes them, then

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from backplane.executor.batch import ForwardBatch
-from backplane.executor.protocols import SchedulerParticipant
+from backplane.contracts.batch import ForwardBatch
+from backplane.contracts.protocols import SchedulerParticipant
 from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
 from backplane.engine.decode_state import DecodeState
 from backplane.engine.overlap import FutureTokens, LaunchedStep, OverlapLoop

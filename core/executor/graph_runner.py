@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, padded_size,
                                             tokens_per_request)
-from backplane.models.base import ModelContext, ModelOutput
+from backplane.contracts.model import ModelOutput
+from backplane.models.base import ModelContext
 from backplane.executor.compiled import CompiledForward
 
 if TYPE_CHECKING:
-    from backplane.attention.base import AttentionBackend
-    from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
-    from backplane.executor.protocols import GraphContributor
+    from backplane.contracts.attention import AttentionBackend
+    from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
+    from backplane.contracts.protocols import GraphContributor
     from backplane.plugin.selection import Selection
     from backplane.settings import EngineArgs
 

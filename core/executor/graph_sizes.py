@@ -1,4 +1,5 @@
-"""Which batch sizes the graph runner captures, which modes it may capture, and graph keys.
+"""Which batch sizes the graph runner captures and which modes it may capture (GraphKey itself is
+a contract: backplane.contracts.graph).
 
 Pure functions of the settings and of what the active plugins declare, so they are tested on CPU.
 """
@@ -6,10 +7,10 @@ Pure functions of the settings and of what the active plugins declare, so they a
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
-from backplane.executor.batch import ForwardMode
+from backplane.contracts.batch import ForwardMode
+from backplane.contracts.graph import GraphKey, GraphParticipant, ModeLimit  # noqa: F401  (GraphKey re-exported)
 
 DEFAULT_SIZES = [1, 2, 4] + [8 * k for k in range(1, 21)]  # 1, 2, 4, 8, 16, ..., 160 (the default max)
 NO_PADDING_SIZES = list(range(1, 33)) + [64, 128]
@@ -59,48 +60,6 @@ def combine_variants(variant_lists: list[list[tuple]]) -> list[tuple]:
     for variants in variant_lists:
         combos = [c + v for c in combos for v in variants]
     return combos
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """Everything that changes the recorded kernels of one graph.
-
-    extras: contributions of active plugins, e.g. (("lora", True),), sorted by name.
-    """
-
-    mode: ForwardMode
-    batch_size: int
-    tokens_per_request: int
-    extras: tuple[tuple[str, Hashable], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return self.batch_size * self.tokens_per_request
-
-
-@dataclass(frozen=True)
-class ModeLimit:
-    """Why a mode is not captured: which plugin (and which of its items) limits it."""
-
-    mode: str
-    plugin: str
-    item: str
-    detail: str
-
-    def message(self) -> str:
-        return (f"CUDA graphs: {self.mode} runs eagerly because plugin {self.plugin!r} ({self.item}) "
-                f"{self.detail}")
-
-
-@dataclass(frozen=True)
-class GraphParticipant:
-    """An active plugin's say in graph capture: of the modes it takes part in (`serves`; None:
-    every mode), those it can run inside a graph."""
-
-    plugin: str
-    item: str
-    graph_modes: tuple[str, ...]
-    serves: tuple[str, ...] | None = None
 
 
 def capturable_modes(wanted: list[str], participants: list[GraphParticipant]) -> tuple[list[str], list[ModeLimit]]:

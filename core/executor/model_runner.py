@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext
+from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.compiled import compiles_batch
-from backplane.executor.protocols import ForwardRouter, GraphContributor
+from backplane.contracts.protocols import ForwardRouter, GraphContributor
 from backplane.layers.attention import Attention
 from backplane.layers.parallel import ParallelContext
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
-from backplane.models.base import ModelContext, ModelOutput
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.model import ModelOutput
+from backplane.models.base import ModelContext
 from backplane.ops.dispatch import resolve_custom_ops
 from backplane.plugin.manager import PluginSet
 from backplane.plugin.selection import AttentionRequirements, Selection, select_attention_backend
@@ -175,7 +176,7 @@ class ModelRunner:
         return self.attn_choices["decode"].spec.seq_len_fill_value
 
     def graph_participants(self) -> list[Any]:
-        from backplane.executor.graph_sizes import GraphParticipant
+        from backplane.contracts.graph import GraphParticipant
 
         decode, verify = self.attn_choices["decode"], self.attn_choices["prefill"]
         parts = [GraphParticipant(decode.plugin, f"attention backend {decode.spec.name!r}",

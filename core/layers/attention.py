@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from backplane.attention.base import AttentionBackend, AttentionLayerInfo
-from backplane.executor.batch import ForwardBatch
+from backplane.contracts.attention import AttentionBackend, AttentionLayerInfo
+from backplane.contracts.batch import ForwardBatch
 from backplane.ops import opaque
 
 

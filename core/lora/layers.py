@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from backplane.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from backplane.lora.base import LoraBackend
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.contracts.lora import LoraBackend
+from backplane.contracts.lora_batch import LoraBatchInfo
 from backplane.ops import opaque
 
 # The Hugging Face projections each fused module of the Llama family holds, in output order.

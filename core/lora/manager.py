@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backplane.executor.graph_sizes import GraphParticipant
-from backplane.executor.protocols import RunningRequests
+from backplane.contracts.graph import GraphParticipant
+from backplane.contracts.protocols import RunningRequests
 from backplane.lora.adapter import AdapterError, LoraAdapter, ProjectionShape, load_adapter, read_adapter_config
-from backplane.lora.base import LoraBackendContext
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.contracts.lora import LoraBackendContext
+from backplane.contracts.lora_batch import LoraBatchInfo
 from backplane.lora.layers import LoraLinear, LoraRuntime, full_projection_shape, wrap_model
 from backplane.lora.pool import SlotPool
 from backplane.plugin.selection import LoraRequirements, select_lora_backend

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from backplane.lora.base import LoraBackend, LoraBackendContext
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.contracts.lora import LoraBackend, LoraBackendContext
+from backplane.contracts.lora_batch import LoraBatchInfo
 from backplane.plugin.registry import LoraBackendSpec
 
 

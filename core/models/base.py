@@ -1,4 +1,5 @@
-"""What every model receives when built (ModelContext) and returns from a forward (ModelOutput)."""
+"""What every model receives when built (ModelContext); what it returns, ModelOutput, is a contract
+(backplane.contracts.model) re-exported here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from backplane.contracts.model import ModelOutput  # noqa: F401  (re-exported)
 from backplane.layers.parallel import ParallelContext
 from backplane.ops.dispatch import CustomOps
 
@@ -46,15 +48,3 @@ class ModelContext:
             yield backend
         finally:
             self.attn_backend = previous
-
-
-@dataclass
-class ModelOutput:
-    """logits: [num_selected, vocab_size] fp32 (rows chosen by LogitsProcessor).
-
-    hidden_states: [num_tokens, hidden_size], the final-normed hidden state of every token when
-    `batch.capture_hidden` is true (EAGLE drafts from it), else None.
-    """
-
-    logits: torch.Tensor
-    hidden_states: torch.Tensor | None = None

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from backplane.executor.batch import ForwardBatch
+from backplane.contracts.batch import ForwardBatch
 from backplane.layers.activation import SiluAndMul
 from backplane.layers.attention import Attention
 from backplane.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -19,7 +19,8 @@ from backplane.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from backplane.layers.logits import LogitsProcessor
 from backplane.layers.norm import RMSNorm
 from backplane.layers.rotary import RotaryEmbedding
-from backplane.models.base import ModelContext, ModelOutput
+from backplane.contracts.model import ModelOutput
+from backplane.models.base import ModelContext
 from backplane.models.config_utils import head_dim_of, num_kv_heads_of, rope_settings, sliding_window_of
 from backplane.models.weights import load_named_weights
 

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from backplane.executor.batch import ForwardBatch
+    from backplane.contracts.batch import ForwardBatch
     from backplane.executor.graph_runner import GraphRunner
-    from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
-    from backplane.executor.protocols import SchedulerParticipant
-    from backplane.models.base import ModelContext, ModelOutput
+    from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
+    from backplane.contracts.protocols import SchedulerParticipant
+    from backplane.contracts.model import ModelOutput
+    from backplane.models.base import ModelContext
     from backplane.plugin.registry import Registry, SpecAlgorithmSpec
     from backplane.plugin.selection import Selection
     from backplane.settings import EngineArgs

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext
+from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
 
 if TYPE_CHECKING:
     from backplane.speculative.context import TargetRunner

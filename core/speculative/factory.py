@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from backplane.executor.protocols import SchedulerParticipant
+from backplane.contracts.protocols import SchedulerParticipant
 from backplane.speculative.context import SpecContext, TargetRunner
 from backplane.speculative.worker import SpecWorker
 

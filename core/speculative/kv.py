@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 
 def alloc_verify_slots(reqs: list, num_nodes: int, kv_pool: TokenToKVPool, req_pool: ReqToTokenPool) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 
 def build_verify_batch(reqs: list, input_ids: list[int] | torch.Tensor, positions: list[int],

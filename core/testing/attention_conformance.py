@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backplane.attention.base import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
-from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from backplane.attention.base import AttentionLayerInfo
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.attention import AttentionLayerInfo
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_runner import StaticInputs, capture_graph, pad_into
 from backplane.executor.graph_sizes import GraphKey, padded_size
 from backplane.models.base import ModelContext

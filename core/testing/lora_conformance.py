@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backplane.lora.base import LoraBackendContext
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.contracts.lora import LoraBackendContext
+from backplane.contracts.lora_batch import LoraBatchInfo
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 R_MAX = 16

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers_models import BatchBuilder
 
-from backplane.attention.base import AttentionLayerInfo
+from backplane.contracts.attention import AttentionLayerInfo
 from backplane.attention.torch_native import SPEC, TorchNativeAttnBackend
-from backplane.executor.batch import ForwardMode
+from backplane.contracts.batch import ForwardMode
 
 HEAD_DIM = 24
 LAYER = 1  # not the first layer, so a backend writing layer 0 fails

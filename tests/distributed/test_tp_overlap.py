@@ -20,7 +20,7 @@ import torch
 from backplane import Engine, SamplingParams
 from backplane.distributed import driver
 from backplane.distributed.batch_sync import BatchMessage, pack_batch
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from helpers_models import unused_slots
 from lora_helpers import make_lora_world
 

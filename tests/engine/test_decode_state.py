@@ -16,7 +16,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from backplane.engine.request import Req
-from backplane.executor.batch import ForwardMode
+from backplane.contracts.batch import ForwardMode
 from lora_helpers import make_lora_world
 
 TINY = dict(device="cpu", max_total_tokens=2048, max_running_requests=4)

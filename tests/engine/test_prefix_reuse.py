@@ -14,7 +14,7 @@ import torch
 from backplane import Engine, SamplingParams
 from backplane.engine.prefix_cache import IN_BATCH_SHARE_MIN, LPM_MAX_WAITING, PrefixCache
 from backplane.engine.request import Req
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from helpers_models import count_computed_tokens, unused_slots
 
 CPU = dict(device="cpu", dtype="float32", load_format="dummy", disable_cuda_graph=True, seed=3)

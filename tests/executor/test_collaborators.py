@@ -1,4 +1,4 @@
-"""The runner's collaborators join through declared Protocols (backplane.executor.protocols): a
+"""The runner's collaborators join through declared Protocols (backplane.contracts.protocols): a
 contributor handed to the runner keys the graphs, binds its state for capture and replay and is
 called before every eager forward; registration refuses a wrong object or a late one; the LoRA
 manager, the TP driver and the scheduler conform to the Protocols they are passed as."""
@@ -14,13 +14,13 @@ from backplane.distributed.lora_sync import LoraSlotTable
 from backplane.engine.batch_builder import build_extend_batch
 from backplane.engine.request import Req
 from backplane.engine.sampling_params import SamplingParams
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_runner import GraphRunner
-from backplane.executor.graph_sizes import GraphKey, GraphParticipant
+from backplane.contracts.graph import GraphKey, GraphParticipant
 from backplane.executor.model_runner import ModelRunner
-from backplane.executor.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
+from backplane.contracts.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
 from backplane.lora.manager import LoraManager
-from backplane.models.base import ModelOutput
+from backplane.contracts.model import ModelOutput
 from backplane.plugin.manager import load_plugins
 from backplane.settings import build_server_args
 from backplane.speculative import TargetRunner

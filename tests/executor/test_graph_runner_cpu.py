@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backplane import Engine
-from backplane.executor.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_runner import GraphRunner, StaticInputs, pad_into
 from backplane.executor.graph_sizes import (
     DEFAULT_SIZES,
@@ -20,7 +20,7 @@ from backplane.executor.graph_sizes import (
     combine_variants,
     padded_size,
 )
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 
 def flags(**kw):

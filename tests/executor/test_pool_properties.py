@@ -13,8 +13,8 @@ from backplane.engine.prefix_cache import PrefixCache
 from backplane.engine.request import Req
 from backplane.engine.sampling_params import SamplingParams
 from backplane.engine.scheduler import Scheduler
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
-from backplane.models.base import ModelOutput
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.model import ModelOutput
 
 NUM_SLOTS, NUM_ROWS, VOCAB = 48, 5, 16
 

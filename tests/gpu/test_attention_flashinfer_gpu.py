@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo
-from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.attention import AttentionBackendContext, AttentionLayerInfo
+from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo  # noqa: E402
+from backplane.contracts.attention import AttentionBackendContext, AttentionLayerInfo  # noqa: E402
 import dataclasses  # noqa: E402
 
-from backplane.executor.batch import ForwardBatch, ForwardMode  # noqa: E402
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from backplane.contracts.batch import ForwardBatch, ForwardMode  # noqa: E402
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from backplane.plugins.attention_triton.backend import TritonAttnBackend  # noqa: E402
 from backplane.plugins.attention_triton.configs import choose_num_kv_splits  # noqa: E402
 from backplane.plugins.attention_triton import decode_kernels  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from backplane import Engine, SamplingParams
 from backplane.executor.graph_runner import GraphRunner
 from backplane.executor.graph_sizes import padded_size
-from backplane.models.base import ModelOutput
+from backplane.contracts.model import ModelOutput
 from helpers_models import unused_slots
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.models.base import ModelOutput
+from backplane.contracts.model import ModelOutput
 from backplane.testing import lora_conformance
 from helpers_models import relative_error, unused_slots
 from lora_helpers import forward_requests, hf_logits, make_lora_world

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from backplane.lora.base import LoraBackendContext
-from backplane.lora.batch_info import LoraBatchInfo
+from backplane.contracts.lora import LoraBackendContext
+from backplane.contracts.lora_batch import LoraBatchInfo
 from backplane.lora.torch_native import TorchNativeLoraBackend
 
 pytestmark = [

@@ -10,7 +10,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from backplane.distributed.lora_sync import LoraSlotTable, pack_lora
-from backplane.executor.protocols import GraphContributor, SchedulerParticipant
+from backplane.contracts.protocols import GraphContributor, SchedulerParticipant
 from lora_helpers import make_lora_world
 
 GREEDY = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)

@@ -23,7 +23,7 @@ def test_every_bundled_plugin_is_checked():
 @pytest.mark.parametrize(
     "source, fragment",
     [
-        ("from backplane.executor.batch import ForwardBatch", "private module 'backplane.executor.batch'"),
+        ("from backplane.contracts.batch import ForwardBatch", "private module 'backplane.contracts.batch'"),
         ("import backplane.plugin.registry", "private module 'backplane.plugin.registry'"),
         ("from backplane.lora import LoraManager", "does not export them"),
         ("from backplane.plugins.attention_triton import kernels", "another plugin's module"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backplane.attention import AttentionLayerInfo
-from backplane.executor.batch import ForwardBatch
+from backplane.contracts.batch import ForwardBatch
 from backplane.plugin.manager import load_plugins
 from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, Registry, RegistrationError
 from backplane.testing.boundary import PUBLIC_MODULES

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.plugins.spec_eagle.beams import Candidates
 from backplane.plugins.spec_eagle.worker import select_tree
 from backplane.speculative import DraftTree, alloc_verify_slots, commit_accepted, verify_greedy, verify_mask
@@ -120,9 +120,9 @@ def test_padded_verify_view_gives_the_same_logits():
     """What a verify graph replay sees (pad_into): padded requests with an all-visible mask do not
     change the real requests' logits (torch_native, eagerly, on the padded view)."""
     from backplane import Engine, SamplingParams
-    from backplane.executor.batch import ForwardMode
+    from backplane.contracts.batch import ForwardMode
     from backplane.executor.graph_runner import StaticInputs, pad_into
-    from backplane.executor.graph_sizes import GraphKey
+    from backplane.contracts.graph import GraphKey
 
     engine = Engine("tiny-llama", device="cpu", attention_backend="torch_native", max_total_tokens=2048,
                     max_running_requests=8, speculative_algorithm="ngram", speculative_num_draft_tokens=5)

@@ -22,10 +22,10 @@ import types
 import pytest
 import torch
 
-from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo
+from backplane.contracts.attention import AttentionBackendContext, AttentionLayerInfo
 from backplane.attention.torch_native import TorchNativeAttnBackend
-from backplane.executor.batch import ForwardBatch, ForwardMode
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.ops import native
 from backplane.plugin.manager import load_plugins
 from backplane.plugins import attention_flashinfer as plugin

@@ -25,9 +25,9 @@ for _name in ("tile_ops", "decode_kernels", "extend_kernels", "verify_kernels", 
     if f"backplane.plugins.attention_triton.{_name}" in sys.modules:
         importlib.reload(sys.modules[f"backplane.plugins.attention_triton.{_name}"])
 
-from backplane.attention.base import AttentionBackendContext, AttentionLayerInfo  # noqa: E402
-from backplane.executor.batch import ForwardBatch, ForwardMode  # noqa: E402
-from backplane.executor.memory import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from backplane.contracts.attention import AttentionBackendContext, AttentionLayerInfo  # noqa: E402
+from backplane.contracts.batch import ForwardBatch, ForwardMode  # noqa: E402
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from backplane.plugins import attention_triton  # noqa: E402
 from backplane.plugins.attention_triton.decode_kernels import FUSED_MERGE_MAX_SPLITS, decode_attention  # noqa: E402
 from backplane.plugins.attention_triton.extend_kernels import extend_attention  # noqa: E402

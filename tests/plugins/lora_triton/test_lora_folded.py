@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from backplane.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
-from backplane.lora.base import LoraBackendContext  # noqa: E402
-from backplane.lora.batch_info import LoraBatchInfo  # noqa: E402
+from backplane.contracts.lora import LoraBackendContext  # noqa: E402
+from backplane.contracts.lora_batch import LoraBatchInfo  # noqa: E402
 from backplane.lora.layers import LoraRuntime, wrap_model  # noqa: E402
 from backplane.lora.torch_native import TorchNativeLoraBackend  # noqa: E402
 

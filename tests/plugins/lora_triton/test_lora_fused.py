@@ -8,8 +8,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere: run 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from backplane.lora.base import LoraBackendContext  # noqa: E402
-from backplane.lora.batch_info import LoraBatchInfo  # noqa: E402
+from backplane.contracts.lora import LoraBackendContext  # noqa: E402
+from backplane.contracts.lora_batch import LoraBatchInfo  # noqa: E402
 from backplane.lora.torch_native import TorchNativeLoraBackend  # noqa: E402
 
 K, OFFSETS = 40, [0, 48, 64, 80]  # q, k, v widths 48, 16, 16

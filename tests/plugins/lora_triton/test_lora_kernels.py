@@ -10,8 +10,8 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from backplane.lora.base import LoraBackendContext, host_offsets  # noqa: E402
-from backplane.lora.batch_info import LoraBatchInfo  # noqa: E402
+from backplane.contracts.lora import LoraBackendContext, host_offsets  # noqa: E402
+from backplane.contracts.lora_batch import LoraBatchInfo  # noqa: E402
 from backplane.lora.torch_native import SPEC as TORCH_NATIVE_SPEC  # noqa: E402
 from backplane.lora.torch_native import TorchNativeLoraBackend  # noqa: E402
 

@@ -160,7 +160,7 @@ def test_torch_compile_keeps_the_compile_safe_ops(model_dir, native_tokens, monk
 def test_triton_attention_takes_kv_written_by_rotary_kv_write(model_dir, monkeypatch, rotary_kv_write):
     """The triton attention backend opts in (fuses_rotary_kv_write): the layer rotates and writes K/V
     in one op, the backend does not write them again, and greedy output equals torch_native's."""
-    from backplane.executor.memory import TokenToKVPool
+    from backplane.contracts.memory import TokenToKVPool
     from backplane.ops import native
     from backplane.plugins.ops_triton import kernels
 

@@ -1,0 +1,30 @@
+"""The contracts: what the layers above meet through, on the ground floor of the house.
+
+Nothing here imports anything of backplane outside `backplane.contracts` (tests/test_layering.py
+checks it), so every package above (layers, models, executor, engine, plugins) may import them.
+
+- `batch`: ForwardMode, ForwardBatch (a forward's inputs), HostBatch
+- `forward_context`: ForwardContext, the one per-forward binding (backend, LoRA info, ops, outputs)
+- `memory`: ReqToTokenPool, TokenToKVPool
+- `attention`: the AttentionBackend ABC, AttentionLayerInfo, AttentionBackendContext
+- `lora`, `lora_batch`: the LoraBackend ABC, LoraBackendContext, LoraBatchInfo
+- `graph`: GraphKey, GraphParticipant, ModeLimit
+- `model`: ModelOutput
+- `protocols`: the collaborators' Protocols (GraphContributor, SchedulerParticipant, ...)
+"""
+
+from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
+from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
+from backplane.contracts.graph import GraphKey, GraphParticipant, ModeLimit
+from backplane.contracts.lora import LoraBackend, LoraBackendContext, host_offsets
+from backplane.contracts.lora_batch import LoraBatchInfo
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.model import ModelOutput
+from backplane.contracts.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
+
+__all__ = [
+    "AttentionBackend", "AttentionBackendContext", "AttentionLayerInfo", "ForwardBatch", "ForwardMode",
+    "ForwardRouter", "GraphContributor", "GraphKey", "GraphParticipant", "HostBatch", "LoraBackend",
+    "LoraBackendContext", "LoraBatchInfo", "ModeLimit", "ModelOutput", "ReqToTokenPool", "RunningRequests",
+    "SchedulerParticipant", "TokenToKVPool", "host_offsets",
+]
