@@ -8,7 +8,11 @@ A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, target_modu
 
 Everything that would make the adapter run wrongly is refused with an error naming the adapter
 and the file: missing files, a rank above `--max-lora-rank`, a target the model does not have,
-non-float or non-finite (NaN, infinite) weights, a corrupt weights file, wrong shapes, and PEFT features this executor does not implement.
+non-float or non-finite (NaN, infinite) weights, a corrupt weights file, wrong shapes, a file with no
+LoRA tensors, a lora_alpha so large that the delta overflows, and PEFT features this executor does not
+implement (aLoRA's `alora_invocation_tokens` among them: PEFT applies such an adapter only from the
+invocation tokens on, which this executor does not do). An empty list or dict of an unsupported
+option (`modules_to_save: []`) means the option is off.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.def
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # PEFT options that change the arithmetic and are not implemented: (key, value meaning "off").
 _UNSUPPORTED = (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {}), ("bias", "none"),
-                ("lora_bias", False), ("modules_to_save", None), ("fan_in_fan_out", False))
+                ("lora_bias", False), ("modules_to_save", None), ("fan_in_fan_out", False),
+                ("alora_invocation_tokens", None))
+# The largest entry |scaling * B A| may reach (bounded by scaling * max|B| * max|A| * rank). Trained
+# adapters stay far below 1; a bound this far above them only catches a lora_alpha that overflows.
+MAX_DELTA = 1e4
 
 
 class AdapterError(ValueError):
@@ -93,7 +101,7 @@ def read_adapter_config(name: str, path: str | Path) -> AdapterConfig:
         raise AdapterError(f"{where}: expected peft_type 'LORA', got {raw.get('peft_type')!r}")
     for key, off in _UNSUPPORTED:
         value = raw.get(key, off)
-        if value is not None and value != off:
+        if value is not None and value != off and value not in ([], {}):
             raise AdapterError(f"{where}: {key}={value!r} is not supported; expected {off!r}")
     rank = raw.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -152,10 +160,24 @@ def load_adapter(
         )
     file = _require_file(name, Path(path), WEIGHTS_FILE)
     tensors = _read_weights(name, file)
+    if not tensors:
+        raise AdapterError(f"LoRA adapter {name!r} ({file}): expected lora_A/lora_B weights of "
+                           f"{', '.join(config.target_modules)}, got a file with no tensors")
     pairs = _pair_tensors(name, file, tensors, config, num_layers)
     weights = {key: _checked_pair(name, file, key, a, b, config.rank, shapes[key[1]], dtype)
                for key, (a, b) in pairs.items()}
+    _check_delta_bound(name, Path(path) / CONFIG_FILE, config, weights)
     return LoraAdapter(name, Path(path), config, weights)
+
+
+def _check_delta_bound(name: str, file: Path, config: AdapterConfig, weights) -> None:
+    """Refuse a scaling (lora_alpha / r) that makes the delta weights overflow: NaN output otherwise."""
+    bound = max(float(a.abs().max()) * float(b.abs().max()) for a, b in weights.values()) * config.rank
+    delta = abs(config.scaling) * bound
+    if not math.isfinite(delta) or delta > MAX_DELTA:
+        raise AdapterError(f"LoRA adapter {name!r} ({file}): lora_alpha={config.alpha:g} gives scaling "
+                           f"{config.scaling:g} and delta weights up to {delta:.3g}; expected at most {MAX_DELTA:g} "
+                           "(a smaller lora_alpha)")
 
 
 def _require_file(name: str, directory: Path, filename: str) -> Path:
