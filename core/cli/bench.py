@@ -15,6 +15,7 @@ per request per verify step, 1 to --speculative-num-draft-tokens).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -64,6 +65,20 @@ def check_bench_fits(ns: argparse.Namespace, runner) -> None:
                              f"{bs * need} KV slots, the pool has {slots}; raise --max-total-tokens or lower it")
 
 
+def forward_eagerly(runner, batch):
+    """One eager forward that every tensor-parallel rank runs too.
+
+    `forward_eager` is this rank's model alone: under tensor parallelism rank 0 would wait in
+    all_reduce for workers that wait for a batch. The runner's `forward(batch, use_graph=False)`
+    goes through the router; a runner without that argument is driven through `router.run`.
+    """
+    if "use_graph" in inspect.signature(runner.forward).parameters:
+        return runner.forward(batch, use_graph=False)
+    if runner.router is not None:
+        return runner.router.run(batch, runner.forward_eager)
+    return runner.forward_eager(batch)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,7 +112,7 @@ class OneBatch:
                                                   self.runner.req_to_token_pool))
         for req in self.reqs:
             req.num_cached += 1
-        out = self.runner.forward_eager(batch) if eager else self.runner.forward(batch)
+        out = forward_eagerly(self.runner, batch) if eager else self.runner.forward(batch)
         return out.logits.argmax(-1)
 
     def _prepared(self, batch):
