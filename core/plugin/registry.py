@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-ALL_MODES = ("extend", "decode", "target_verify", "draft_extend")
-ALL_DTYPES = ("float32", "float16", "bfloat16")
-PLATFORMS = ("cpu", "cuda")
+from backplane.plugin.validation import ALL_DTYPES, ALL_MODES, PLATFORMS, field_problem  # noqa: F401 - ALL_MODES re-exported
 
 
 def _always_available() -> str | None:
@@ -214,19 +212,25 @@ class Registry:
             )
 
     def _validate(self, kind: str, item: Any, plugin: str) -> None:
+        """Type, then every field (validation.FIELD_RULES), then the kind's own rules."""
+        if kind == "settings":
+            _validate_settings_group(item, plugin)
+            return
+        expected = KINDS[kind].spec_type
+        if not isinstance(item, expected):
+            raise RegistrationError(
+                f"plugin {plugin!r} registered a {type(item).__name__} as {KINDS[kind].label}; "
+                f"expected {expected.__name__}"
+            )
+        problem = field_problem(item)
+        if problem is not None:
+            raise RegistrationError(f"plugin {plugin!r}, {KINDS[kind].label} {_key_or_field(kind, item)}: {problem[1]}")
         if kind == "custom_op":
             _validate_custom_op(item, plugin)
-        elif kind == "settings":
-            _validate_settings_group(item, plugin)
-        else:
-            expected = KINDS[kind].spec_type
-            if not isinstance(item, expected):
-                raise RegistrationError(
-                    f"plugin {plugin!r} registered a {type(item).__name__} as {KINDS[kind].label}; "
-                    f"expected {expected.__name__}"
-                )
-            if kind in ("attention", "lora"):
-                _validate_backend_spec(item, plugin)
+        elif kind == "attention" and "target_verify" in item.modes and not item.custom_mask:
+            raise RegistrationError(f"plugin {plugin!r}, attention backend {item.name!r}: field modes declares "
+                                    "'target_verify' without custom_mask=True; a verify pass attends under the "
+                                    "draft tree's mask")
 
     def remove_plugin(self, plugin: str) -> None:
         """Forget everything `plugin` registered (its register hook failed part-way)."""
@@ -266,42 +270,20 @@ class Registry:
                 yield kind, KINDS[kind].key(reg.item), reg
 
 
-def _validate_backend_spec(spec: Any, plugin: str) -> None:
-    where = f"plugin {plugin!r}, backend {spec.name!r}"
-    if not spec.name or not isinstance(spec.name, str):
-        raise RegistrationError(f"{where}: name must be a non-empty string")
-    if not callable(spec.factory):
-        raise RegistrationError(f"{where}: factory must be callable, got {type(spec.factory).__name__}")
-    bad = [p for p in spec.platforms if p not in PLATFORMS]
-    if bad:
-        raise RegistrationError(f"{where}: unknown platform {bad[0]!r}; expected one of {PLATFORMS}")
-    bad = [d for d in spec.dtypes if d not in ALL_DTYPES]
-    if bad:
-        raise RegistrationError(f"{where}: unknown dtype {bad[0]!r}; expected one of {ALL_DTYPES}")
-    if isinstance(spec, AttentionBackendSpec):
-        bad = [m for m in (*spec.modes, *spec.graph_modes) if m not in ALL_MODES]
-        if bad:
-            raise RegistrationError(f"{where}: unknown mode {bad[0]!r}; expected one of {ALL_MODES}")
-        if "target_verify" in spec.modes and not spec.custom_mask:
-            raise RegistrationError(f"{where}: declares mode 'target_verify' without custom_mask=True; "
-                                    "a verify pass attends under the draft tree's mask")
+def _key_or_field(kind: str, item: Any) -> str:
+    """How an error names the item: its key, or `<invalid key>` when the key field itself is bad."""
+    try:
+        return repr(KINDS[kind].key(item))
+    except Exception:  # noqa: BLE001 - a key built from invalid fields
+        return "<invalid key>"
 
 
-def _validate_custom_op(impl: Any, plugin: str) -> None:
+def _validate_custom_op(impl: CustomOpImpl, plugin: str) -> None:
     from backplane.ops.names import OP_NAMES
 
-    if not isinstance(impl, CustomOpImpl):
-        raise RegistrationError(
-            f"plugin {plugin!r} registered a {type(impl).__name__} as custom op; expected CustomOpImpl"
-        )
     if impl.op not in OP_NAMES:
         raise RegistrationError(
-            f"plugin {plugin!r} registered custom op {impl.op!r}; expected one of: {', '.join(OP_NAMES)}"
-        )
-    if impl.platform not in PLATFORMS:
-        raise RegistrationError(
-            f"plugin {plugin!r}, custom op {impl.op!r}: unknown platform {impl.platform!r}; "
-            f"expected one of {PLATFORMS}"
+            f"plugin {plugin!r} registered custom op {impl.op!r}: field op: expected one of: {', '.join(OP_NAMES)}"
         )
 
 

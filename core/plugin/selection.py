@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
+from backplane.plugin.failures import def_location, one_line, with_location
 from backplane.plugin.registry import KINDS, AttentionBackendSpec, LoraBackendSpec, Registered, Registry
 
 logger = logging.getLogger(__name__)
@@ -42,11 +44,16 @@ class LoraRequirements:
 
 @dataclass(frozen=True)
 class Selection:
-    """The chosen spec and a one-line explanation of the choice."""
+    """The chosen spec and a one-line explanation of the choice.
+
+    alternatives: under `auto`, the other usable candidates in the order `auto` ranks them, for
+    `backplane.plugin.runtime.build_first` when the chosen one fails to build; empty when explicit.
+    """
 
     spec: AttentionBackendSpec | LoraBackendSpec
     plugin: str
     reason: str
+    alternatives: tuple[Registered, ...] = ()
 
 
 def attention_unusable_reasons(spec: AttentionBackendSpec, req: AttentionRequirements) -> list[str]:
@@ -75,12 +82,32 @@ def availability_reasons(spec, platform: str) -> list[str]:
     """Why `spec` cannot run on `platform` whatever the model: its `available()` reason (a missing
     dependency) and an unsupported platform. Selection and `backplane plugins` both use this."""
     reasons = []
-    why = spec.available()
+    why = available_reason(spec)
     if why:
         reasons.append(why)
     if platform not in spec.platforms:
         reasons.append(f"platform {platform!r} not supported (supports: {_join(spec.platforms)})")
     return reasons
+
+
+def available_reason(spec: Any) -> str | None:
+    """`spec.available()`: None when usable, else the reason. A plugin whose `available()` raises or
+    returns anything but None or a non-empty string (False, say) is unusable, and the reason says so
+    with the function's file:line: `False` must never count as usable."""
+    try:
+        why = spec.available()
+    except Exception as exc:  # noqa: BLE001 - a plugin's check may fail in any way
+        return with_location(f"available() raised {one_line(exc)}", def_location(spec.available))
+    if why is None or (isinstance(why, str) and why.strip()):
+        return why
+    return with_location(f"available() returned {why!r}; expected None (usable) or a reason string",
+                         def_location(spec.available))
+
+
+def install_hint_applies(spec: Any, platform: str) -> bool:
+    """Whether `spec.install_hint` is the fix: a dependency is missing on a platform it supports (on a
+    CPU machine a CUDA-only backend's hint would send the user to install what is already there)."""
+    return bool(spec.install_hint) and platform in spec.platforms and available_reason(spec) is not None
 
 
 def _common_reasons(spec, platform: str, dtype: str) -> list[str]:
@@ -117,7 +144,7 @@ def _select(registry: Registry, kind: str, name: str, check, flag: str, req) -> 
         usable = sorted(_pinned(reg, registry, kind) for reg in registry.registrations(kind) if not check(reg.item))
         raise SelectionError(
             f"{flag} {name} (plugin {chosen.plugin!r}) cannot run here: {'; '.join(reasons)}."
-            + (f" To fix: {spec.install_hint}." if spec.install_hint and spec.available() else "")
+            + (f" To fix: {spec.install_hint}." if install_hint_applies(spec, req.platform) else "")
             + f" Usable here: {_join(usable) or 'none'}"
         )
     return Selection(spec, chosen.plugin, f"{name} chosen explicitly by {flag}")
@@ -130,9 +157,10 @@ def resolve(registry: Registry, kind: str, name: str, flag: str) -> Registered:
     base, _, who = name.partition("@")
     candidates = registry.registrations(kind, base)
     if not candidates:
+        noun = "backend" if KINDS[kind].pinnable else KINDS[kind].label
         raise SelectionError(
-            f"{flag}: unknown backend {base!r}; registered: {_listing(registry, kind)}, or 'auto'"
-            + _not_loaded(registry)
+            f"{flag}: unknown {noun} {base!r}; registered: {_listing(registry, kind) or 'none'}"
+            + (", or 'auto'" if KINDS[kind].pinnable else "") + _not_loaded(registry)
         )
     if who:
         pinned = [reg for reg in candidates if who in (reg.plugin, reg.distribution)]
@@ -156,24 +184,28 @@ def require_known(registry: Registry, kind: str, name: str, flag: str) -> None:
 def _select_auto(registry: Registry, kind: str, check, flag: str, req) -> Selection:
     # NOTE: equal priorities are broken by name, then by plugin name (alphabetical), so `auto`
     # never depends on installation or entry-point order.
-    skipped = []
+    skipped: list[str] = []
+    usable: list[Registered] = []
+    passed = 0  # how many were skipped before the first usable one (those the log explains)
     for reg in sorted(registry.registrations(kind), key=lambda r: (-r.item.priority, r.item.name, r.plugin)):
-        spec = reg.item
-        reasons = check(spec)
-        if not reasons:
-            shared = registry.registrations(kind, spec.name)
-            if len(shared) > 1:
-                raise SelectionError(_ambiguity(kind, spec.name, shared, f"{flag} auto"))
-            why = f"{spec.name} chosen by {flag} auto (priority {spec.priority}, plugin {reg.plugin!r})"
-            if skipped:
-                why += "; skipped " + "; ".join(skipped)
-            logger.info(why)
-            return Selection(spec, reg.plugin, why)
-        skipped.append(f"{spec.name}: {', '.join(reasons)}")
-    raise SelectionError(
-        f"{flag} auto: no registered backend can run {_describe(req)}; "
-        + ("; ".join(skipped) if skipped else "none is registered")
-    )
+        reasons = check(reg.item)
+        shared = registry.registrations(kind, reg.item.name)
+        if reasons:
+            skipped.append(f"{reg.item.name} (plugin {reg.plugin!r}): {', '.join(reasons)}")
+        elif len(shared) > 1 and not usable:  # the best usable name is shared: the user must pin one
+            raise SelectionError(_ambiguity(kind, reg.item.name, shared, f"{flag} auto"))
+        elif len(shared) == 1:
+            passed = passed if usable else len(skipped)
+            usable.append(reg)
+    if not usable:
+        raise SelectionError(f"{flag} auto: no registered backend can run {_describe(req)}; "
+                             + ("; ".join(skipped) if skipped else "none is registered"))
+    chosen = usable[0]
+    why = f"{chosen.item.name} chosen by {flag} auto (priority {chosen.item.priority}, plugin {chosen.plugin!r})"
+    if passed:
+        why += "; skipped " + "; ".join(skipped[:passed])
+    logger.info(why)
+    return Selection(chosen.item, chosen.plugin, why, alternatives=tuple(usable[1:]))
 
 
 def _ambiguity(kind: str, name: str, candidates: list[Registered], flag: str) -> str:

@@ -107,7 +107,7 @@ BROKEN = {
     "bad_syntax": ("SyntaxError: ", "bad_syntax.py:4"),
     "bad_args": ("hook backplane_register_attention_backends takes unknown argument(s) device; "
                  "the spec's arguments: register", "bad_args.py:4"),
-    "bad_spec": ("backend 'odd': unknown platform 'tpu'", "bad_spec.py:6"),
+    "bad_spec": ("attention backend 'odd': field platforms = ('tpu',) (tuple): expected a tuple", "bad_spec.py:6"),
 }
 
 

@@ -86,9 +86,10 @@ def test_capability_needed_by_the_model(registry):
 def test_auto_on_cpu_picks_the_best_usable_and_says_why(registry):
     choice = select_attention_backend(registry, "auto", CPU_FP32)
     assert choice.spec.name == "no_window"  # priority 0, name order before torch_native
-    assert "skipped needs_lib: libfoo is not installed" in choice.reason
-    assert "head128: head dim 64 not supported" in choice.reason
-    assert "flashinfer:" in choice.reason and "triton:" in choice.reason
+    assert "skipped needs_lib (plugin 'test_plugin'): libfoo is not installed" in choice.reason
+    assert "head128 (plugin 'test_plugin'): head dim 64 not supported" in choice.reason
+    assert "flashinfer (plugin 'attention_flashinfer'):" in choice.reason and "triton (plugin" in choice.reason
+    assert [reg.item.name for reg in choice.alternatives][-1] == "torch_native"  # build_first's next candidates
 
 
 def test_auto_with_nothing_usable(registry):
@@ -114,9 +115,9 @@ def test_register_rejects_wrong_types_and_values(registry):
     register = registry.callback("attention", "sloppy", None)
     with pytest.raises(RegistrationError, match="plugin 'sloppy' registered a LoraBackendSpec as attention backend; expected AttentionBackendSpec"):
         register(LoraBackendSpec(name="x", factory=object, description="t"))
-    with pytest.raises(RegistrationError, match="unknown platform 'tpu'"):
+    with pytest.raises(RegistrationError, match=r"plugin 'sloppy', attention backend 'x': field platforms = \('tpu',\) \(tuple\): expected a tuple"):
         register(AttentionBackendSpec(name="x", factory=object, description="t", platforms=("tpu",)))
-    with pytest.raises(RegistrationError, match="unknown mode 'prefill'"):
+    with pytest.raises(RegistrationError, match=r"attention backend 'x': field modes = \('prefill',\)"):
         register(AttentionBackendSpec(name="x", factory=object, description="t", modes=("prefill",)))
     register(AttentionBackendSpec(name="once", factory=object, description="t"))
     with pytest.raises(RegistrationError, match="attention backend 'once' registered twice: by plugin 'sloppy' and by plugin 'sloppy'"):
