@@ -8,14 +8,15 @@ import torch
 from torch import nn
 
 from backplane.ops import opaque
-from backplane.ops.rope import build_cos_sin_cache
+from backplane.ops.rope import shared_cos_sin_cache
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions.
 
-    cos_sin_cache: [max_position, rotary_dim] fp32 buffer (not in the state dict), built on the
-    CPU and moved to the current default device. ctx.ops is read at every call.
+    cos_sin_cache: [max_position, rotary_dim] fp32 buffer (not in the state dict) on the current
+    default device, one tensor shared by every layer with the same rotary config (read only).
+    ctx.ops is read at every call.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
@@ -27,8 +28,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.is_neox = is_neox
-        cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling)
-        self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device), persistent=False)
+        self.cache_args = (rotary_dim, max_position, base, rope_scaling)
+        cache = shared_cos_sin_cache(*self.cache_args, torch.empty(0).device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.handle = opaque.register_layer(self)  # for torch.ops.backplane.rotary_attention under torch.compile
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -47,9 +49,8 @@ class RotaryEmbedding(nn.Module):
                                             k_cache, v_cache, loc)
 
     def _apply(self, fn, recurse=True):
-        # NOTE: a model-wide .to(dtype) / .half() must not round the fp32 cache: keep the original
-        # values and follow only the device change.
-        cache = self.cos_sin_cache
+        # NOTE: a model-wide .to(dtype) / .half() must not round the fp32 cache: follow only the
+        # device change, to the cache shared on that device.
         out = super()._apply(fn, recurse)
-        self.cos_sin_cache = cache.to(self.cos_sin_cache.device)
+        self.cos_sin_cache = shared_cos_sin_cache(*self.cache_args, self.cos_sin_cache.device)
         return out

@@ -3,7 +3,9 @@
 transformers accepts many bad values silently (a string hidden size, zero heads) and the model
 then fails deep inside construction or the first forward. Each field the Llama family reads is
 checked here when present; the error is one line naming the file, the field, the value and what
-was expected.
+was expected. Two checks need the run's settings and are called before anything is built:
+`check_tensor_parallel` (the heads divide over --tp-size, before workers start) and
+`check_model_memory` (the weights and the rotary cache fit the device's free memory).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def read_config_json(file: Path) -> dict[str, Any]:
 
 def config_problem(raw: dict[str, Any]) -> str | None:
     """The first bad field of a config dict as "field 'x' = v: expected ...", or None."""
-    for check in (_architectures, _integers, _numbers, _bools, _head_layout):
+    for check in (_architectures, _integers, _numbers, _bools, _head_layout, _rope_factor):
         problem = check(raw)
         if problem:
             return problem
@@ -96,3 +98,59 @@ def _head_layout(raw: dict[str, Any]) -> str | None:
     if raw.get("head_dim") is None and hidden is not None and heads is not None and hidden % heads:
         return _bad("hidden_size", hidden, f"a multiple of num_attention_heads {heads} (or set head_dim)")
     return None
+
+
+def _rope_factor(raw: dict[str, Any]) -> str | None:
+    for name in ("rope_scaling", "rope_parameters"):
+        params = raw.get(name)
+        if not isinstance(params, dict) or "factor" not in params:
+            continue
+        factor = params["factor"]
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor) or factor <= 0:
+            return _bad(f"{name}.factor", factor, "a finite number > 0 (a JSON number, not a string)")
+    return None
+
+
+def check_tensor_parallel(config: Any, tp_size: int) -> None:
+    """Refuse a --tp-size the model's heads or MLP do not divide by, in one line naming the field;
+    called before any worker starts. KV heads fewer than tp_size are replicated (tp_size a multiple)."""
+    if tp_size == 1:
+        return
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for field, value in (("num_attention_heads", heads), ("intermediate_size", config.intermediate_size)):
+        if value % tp_size:
+            raise ValueError(f"--tp-size {tp_size}: the model's {field} {value} is not a multiple of it; "
+                             f"expected a divisor of {value}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"--tp-size {tp_size}: the model's num_key_value_heads {kv_heads} neither divides "
+                         "by it nor divides it; expected a divisor or a multiple of num_key_value_heads")
+
+
+def model_memory_terms(config: Any, dtype_bytes: int, tp_size: int = 1) -> dict[str, int]:
+    """Bytes per rank the model needs before any KV, by the config field that drives each term."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    attn = hidden * head_dim * (2 * config.num_attention_heads + 2 * kv_heads)
+    layer = attn + 3 * hidden * config.intermediate_size
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return {
+        "vocab_size": (1 if tied else 2) * vocab * hidden * dtype_bytes // tp_size,
+        "num_hidden_layers": config.num_hidden_layers * layer * dtype_bytes // tp_size,
+        # one fp32 cos/sin cache shared by every layer: [max_position, head_dim]
+        "max_position_embeddings": config.max_position_embeddings * head_dim * 4,
+    }
+
+
+def check_model_memory(config: Any, dtype_bytes: int, free_bytes: int, device: str, tp_size: int = 1) -> None:
+    """Refuse a model whose weights and rotary cache exceed `free_bytes`, in one line naming the
+    field that costs the most; called before the model is built."""
+    terms = model_memory_terms(config, dtype_bytes, tp_size)
+    need = sum(terms.values())
+    if need <= free_bytes:
+        return
+    field = max(terms, key=terms.get)
+    raise ValueError(f"model config: {field} {getattr(config, field)} makes the model need about "
+                     f"{need / 2**30:,.1f} GiB of {device} memory ({terms[field] / 2**30:,.1f} GiB from {field}) "
+                     f"but {free_bytes / 2**30:,.1f} GiB is free; expected a model that fits")

@@ -43,3 +43,36 @@ def sliding_window_of(config, layer_id: int) -> int:
     if use is None:
         return window
     return window if use and layer_id >= getattr(config, "max_window_layers", 0) else 0
+
+
+# Keys backplane's Llama-family layers read, per architecture whose transformers class does not read
+# them: (key, the value that means "off"). The loader resets them so the model is the one transformers
+# builds (a Llama config with a sliding_window attends to everything in transformers, and so here).
+_SLIDING_KEYS = (("sliding_window", None), ("use_sliding_window", None), ("layer_types", None))
+_SOFTCAP = (("final_logit_softcapping", None), ("attn_logit_softcapping", None))
+IGNORED_KEYS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "LlamaForCausalLM": _SLIDING_KEYS + _SOFTCAP,
+    "MistralForCausalLM": _SOFTCAP + (("use_sliding_window", None), ("layer_types", None),
+                                      ("attention_bias", False), ("mlp_bias", False)),
+    "Qwen2ForCausalLM": _SOFTCAP + (("attention_bias", False), ("mlp_bias", False)),
+    "Qwen3ForCausalLM": _SOFTCAP + (("mlp_bias", False),),
+}
+
+
+def reset_ignored_keys(config) -> dict[str, Any]:
+    """Reset the keys transformers ignores for `config`'s architecture; returns those that were on
+    (key -> the value found), for the caller to warn about."""
+    architectures = getattr(config, "architectures", None) or []
+    found = {}
+    for key, off in IGNORED_KEYS.get(architectures[0] if architectures else "", ()):
+        value = getattr(config, key, off)
+        if _changes_model(value):
+            found[key] = value
+            setattr(config, key, off)
+    return found
+
+
+def _changes_model(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return "sliding_attention" in value
+    return bool(value)

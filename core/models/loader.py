@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -10,6 +11,9 @@ from typing import Any, Iterator
 import torch
 
 from backplane.models.config_check import read_config_json
+from backplane.models.config_utils import reset_ignored_keys
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,11 +30,16 @@ def load_hf_config(path: str | os.PathLike):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model path {path!r}: expected a config.json in it, found none")
     read_config_json(Path(path) / "config.json")  # a bad field is one line here, not an error deep inside
+    file = os.path.join(path, "config.json")
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - an unknown model_type, a field transformers' own checks refuse
-        raise ValueError(f"model config '{os.path.join(path, 'config.json')}': transformers cannot read it: "
-                         f"{one_line(exc)}") from None
+        raise ValueError(f"model config '{file}': transformers cannot read it: {one_line(exc)}") from None
+    ignored = reset_ignored_keys(config)
+    if ignored:
+        logger.warning("model config '%s': %s ignores %s in transformers, and so does backplane", file,
+                       config.architectures[0], ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
+    return config
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

@@ -19,6 +19,7 @@ STACKED_PARAMS = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _target(hf_name: str) -> tuple[str, object]:
@@ -29,7 +30,43 @@ def _target(hf_name: str) -> tuple[str, object]:
     return hf_name, None
 
 
+def check_cast(param: nn.Parameter, tensor: torch.Tensor, hf_name: str) -> None:
+    """Refuse a checkpoint tensor whose values the cast to the run's dtype turns into infinity
+    (float32 weights beyond float16's range, loaded with --dtype float16)."""
+    if not tensor.is_floating_point() or not param.is_floating_point() or tensor.dtype == param.dtype:
+        return
+    limit = torch.finfo(param.dtype).max
+    if limit >= torch.finfo(tensor.dtype).max:
+        return
+    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
+    if largest > limit:
+        dtype = str(param.dtype).removeprefix("torch.")
+        raise ValueError(f"checkpoint tensor {hf_name!r}: holds {largest:.4g}, beyond {dtype}'s largest value "
+                         f"{limit:.4g}, so loading it as {dtype} gives infinity; expected --dtype float32 or bfloat16")
+
+
+class TiedCheck:
+    """With tie_word_embeddings, the checkpoint's lm_head.weight (if any) must equal the embedding:
+    a different one would be dropped silently. Holds the first of the two until the second comes."""
+
+    def __init__(self):
+        self.first: tuple[str, torch.Tensor] | None = None
+
+    def see(self, hf_name: str, tensor: torch.Tensor) -> None:
+        if hf_name not in TIED_PAIR:
+            return
+        if self.first is None:
+            self.first = (hf_name, tensor)
+            return
+        if not torch.equal(self.first[1], tensor):
+            raise ValueError("checkpoint tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' but "
+                             "config.json sets tie_word_embeddings: true; expected false (to use the separate "
+                             "lm_head) or a checkpoint without lm_head.weight")
+        self.first = None
+
+
 def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, hf_name: str) -> None:
+    check_cast(param, tensor, hf_name)
     loader = getattr(param, "weight_loader", None)
     if loader is None:
         copy_checked(param, tensor, f"weight {hf_name!r}")
@@ -44,13 +81,18 @@ def load_named_weights(
 ) -> set[str]:
     """Load (hf_name, full tensor) pairs into `model`; returns the names of the parameters loaded.
 
-    Tied embeddings: a checkpoint `lm_head.weight` is skipped (the embedding is used). strict:
-    an unknown checkpoint name, or a parameter left unloaded, is a ValueError naming it.
+    Tied embeddings: a checkpoint `lm_head.weight` equal to the embedding is skipped (the embedding
+    is used); a different one is a ValueError. strict: an unknown checkpoint name, or a parameter
+    left unloaded, is a ValueError naming it. A value the cast to the parameter's dtype would make
+    infinite is a ValueError naming the tensor and the dtype.
     """
     params = dict(model.named_parameters())
     tied = getattr(model, "tie_word_embeddings", False)
+    tied_check = TiedCheck()
     loaded: set[str] = set()
     for hf_name, tensor in weights:
+        if tied:
+            tied_check.see(hf_name, tensor)
         if hf_name.endswith(IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard_id = _target(hf_name)
