@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backplane.deprecation import renamed_names
 from backplane.plugin.hookspecs import hookimpl, hookspec
 from backplane.plugin.registry import (
     ALL_MODES,
@@ -17,7 +18,8 @@ from backplane.plugin.registry import (
     ModelSpec,
     SpecAlgorithmSpec,
 )
-from backplane.settings import EngineArgs, ServerArgs  # ServerArgs: deprecated alias of EngineArgs
+from backplane.plugin.version import PLUGIN_API_VERSION
+from backplane.settings import EngineArgs
 
 __version__ = "0.1.0"
 
@@ -40,7 +42,7 @@ __all__ = [
     "LoraBackendSpec",
     "ModelSpec",
     "EngineArgs",
-    "ServerArgs",
+    "PLUGIN_API_VERSION",
     "SpecAlgorithmSpec",
     "hookimpl",
     "hookspec",
@@ -48,9 +50,13 @@ __all__ = [
 ]
 
 
+# Public names of earlier releases that moved or were renamed: they warn (backplane.deprecation).
+_deprecated = renamed_names(__name__, {"ServerArgs": "backplane.EngineArgs"}, stacklevel=3)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'backplane' has no attribute {name!r}")
+    return _deprecated(name)
