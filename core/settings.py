@@ -3,15 +3,17 @@
 Every field is a kebab-case flag (`max_running_requests` -> `--max-running-requests`) and an env
 var (`BACKPLANE_MAX_RUNNING_REQUESTS`). Plugin option groups registered through
 `backplane_register_settings` become `--<group>.<option>` and `BACKPLANE_<GROUP>__<OPTION>`.
-Command-line values win over the environment.
+Command-line values win over the environment. An empty env var is unset. A list in an env var is
+JSON (`["a=x","b=y"]`, `[1,2,4]`) or, when it does not start with `[`, comma or space separated.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "BACKPLANE_"
@@ -23,9 +25,15 @@ ENV_STRICT_PLUGINS = "BACKPLANE_STRICT_PLUGINS"
 ENV_TEST_FAIL_RANK = "BACKPLANE_TEST_FAIL_RANK"
 
 
-# Lists in env vars are written "a,b,c" (or space separated), not JSON.
+# Lists in env vars are JSON, or written "a,b,c" (or space separated); see _split_env_list.
 StrList = Annotated[list[str], NoDecode]
 IntList = Annotated[list[int], NoDecode]
+
+
+MAX_DEFAULT_CPU_THREADS = 16
+# speculative_* options that only take effect with --speculative-algorithm.
+SPECULATIVE_OPTIONS = ("speculative_draft_model", "speculative_num_steps", "speculative_eagle_topk",
+                       "speculative_num_draft_tokens", "speculative_token_map")
 
 
 class SettingsError(ValueError):
@@ -35,7 +43,8 @@ class SettingsError(ValueError):
 class EngineArgs(BaseSettings):
     """Every option of the executor. See `backplane generate --help` for the flag of each."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      env_ignore_empty=True)
 
     # Model and device
     model: str = Field("tiny-llama", description="a local Hugging Face directory or a preset name")
@@ -50,6 +59,9 @@ class EngineArgs(BaseSettings):
     seed: int = Field(0, ge=0, le=2**64 - 1, description="seed for dummy weights and sampling")
     context_length: int | None = Field(None, ge=1, description="max tokens per request")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads on CPU (default: OMP_NUM_THREADS when set, else the cores this "
+        f"process may use, at most {MAX_DEFAULT_CPU_THREADS})")
     # Backends
     attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
@@ -93,9 +105,35 @@ class EngineArgs(BaseSettings):
     @field_validator("custom_ops", "lora_paths", "cuda_graph_bs", mode="before")
     @classmethod
     def _split_env_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [item for item in value.replace(",", " ").split() if item]
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"expected a JSON list or comma-separated values, got a JSON error: {exc}") from None
+            if not isinstance(parsed, list):
+                raise ValueError(f"expected a JSON list, got {type(parsed).__name__}")
+            return [item if isinstance(item, (int, str)) else str(item) for item in parsed]
+        return [item for item in value.replace(",", " ").split() if item]
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("expected a preset name or a local model directory, got an empty string")
         return value
+
+    @model_validator(mode="after")
+    def _check_speculative_options(self) -> EngineArgs:
+        if self.speculative_algorithm:
+            return self
+        changed = [f for f in SPECULATIVE_OPTIONS if getattr(self, f) != type(self).model_fields[f].default]
+        if changed:
+            given = ", ".join(f"{flag_name(f)} {getattr(self, f)!r}" for f in changed)
+            raise ValueError(f"{changed[0]}: {given} take effect only with --speculative-algorithm; expected "
+                             "--speculative-algorithm NAME (eagle, ngram, ...) or none of these flags")
+        return self
 
     @field_validator("cuda_graph_bs")
     @classmethod
@@ -213,10 +251,22 @@ def _group_env_values(group: str, model: type) -> dict[str, Any]:
     values = {}
     for field in model.model_fields:
         raw = os.environ.get(env_name(field, group))
-        if raw is not None:
+        if raw:  # an empty variable is unset
             values[field] = raw
     return values
 
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_cpu_threads(args: EngineArgs) -> tuple[int, str]:
+    """(torch threads for CPU work, where the number came from): --cpu-threads, else OMP_NUM_THREADS,
+    else the cores this process may run on (sched_getaffinity), at most MAX_DEFAULT_CPU_THREADS."""
+    if args.cpu_threads:
+        return args.cpu_threads, "--cpu-threads"
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_DEFAULT_CPU_THREADS)), f"{cores} cores available to this process"

@@ -6,7 +6,7 @@ import pytest
 
 from backplane.cli import main, parse_server_args
 from backplane.plugin.manager import load_plugins
-from backplane.settings import EngineArgs, SettingsError, env_name, flag_name
+from backplane.settings import SPECULATIVE_OPTIONS, EngineArgs, SettingsError, env_name, flag_name
 
 # One valid non-default value per field: (CLI words, env string, expected parsed value).
 SAMPLES = {
@@ -18,6 +18,7 @@ SAMPLES = {
     "seed": (["7"], "7", 7),
     "context_length": (["512"], "512", 512),
     "tp_size": (["2"], "2", 2),
+    "cpu_threads": (["3"], "3", 3),
     "attention_backend": (["triton"], "triton", "triton"),
     "prefill_attention_backend": (["torch_native"], "torch_native", "torch_native"),
     "decode_attention_backend": (["triton"], "triton", "triton"),
@@ -64,7 +65,8 @@ def test_flag_by_cli(field, plugin_set, monkeypatch):
     for name in EngineArgs.model_fields:
         monkeypatch.delenv(env_name(name), raising=False)
     words, _, expected = SAMPLES[field]
-    args = parse_server_args([flag_name(field), *words], plugin_set)
+    needs = ["--speculative-algorithm", "eagle"] if field in SPECULATIVE_OPTIONS else []
+    args = parse_server_args([flag_name(field), *words, *needs], plugin_set)
     assert getattr(args, field) == expected
 
 
@@ -72,6 +74,8 @@ def test_flag_by_cli(field, plugin_set, monkeypatch):
 def test_flag_by_env(field, plugin_set, monkeypatch):
     _, raw, expected = SAMPLES[field]
     monkeypatch.setenv(env_name(field), raw)
+    if field in SPECULATIVE_OPTIONS:
+        monkeypatch.setenv("BACKPLANE_SPECULATIVE_ALGORITHM", "eagle")
     assert getattr(parse_server_args([], plugin_set), field) == expected
 
 
