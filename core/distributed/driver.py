@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from backplane.config import TensorParallelConfig
 from backplane.distributed.batch_sync import pack_batch, send_input_ids
 from backplane.distributed.broadcast import broadcast_object
 from backplane.distributed.launcher import (WorkerConfig, WorkerHandles, apply_env, free_port,
@@ -35,15 +36,16 @@ _ACTIVE: weakref.WeakSet = weakref.WeakSet()
 class TPDriver:
     """The worker processes of one tensor-parallel engine, seen from rank 0 (a ForwardRouter)."""
 
-    def __init__(self, args: Any, extra_plugins: list[Any]):
+    def __init__(self, args: Any, extra_plugins: list[Any], config: TensorParallelConfig | None = None):
         check_tp_settings(args)
         if len(_ACTIVE):
             raise RuntimeError("--tp-size: a tensor-parallel Engine is already running in this process; "
                                "call its shutdown() first")
         apply_env()
         self.args = args
-        self.world_size = args.tp_size
-        self.backend = "nccl" if _wants_cuda(args) else "gloo"
+        config = config or TensorParallelConfig(args.tp_size, "nccl" if _wants_cuda(args) else "gloo")
+        self.world_size = config.world_size
+        self.backend = config.backend
         port = free_port()
         configs = [WorkerConfig(rank, self.world_size, port, self.backend, args, _picklable(extra_plugins),
                                 torch.get_num_threads()) for rank in range(1, self.world_size)]
@@ -143,9 +145,12 @@ def tp_startup(driver: TPDriver | None) -> Iterator[None]:
         raise_failure(driver, exc)
 
 
-def start_tensor_parallel(args: Any, extra_plugins: Any = ()) -> TPDriver | None:
-    """The driver of `--tp-size N` (spawns ranks 1..N-1); None at tp size 1."""
-    return TPDriver(args, list(extra_plugins)) if args.tp_size > 1 else None
+def start_tensor_parallel(args: Any, extra_plugins: Any = (),
+                          config: TensorParallelConfig | None = None) -> TPDriver | None:
+    """The driver of `--tp-size N` (spawns ranks 1..N-1); None at tp size 1. config: the resolved
+    world size and backend (backplane.config.resolve_runtime); derived from `args` when None."""
+    size = config.world_size if config is not None else args.tp_size
+    return TPDriver(args, list(extra_plugins), config) if size > 1 else None
 
 
 def check_tp_settings(args: Any) -> None:

@@ -39,14 +39,14 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(3)
 
 
-def build_rank(config: WorkerConfig):
-    """This rank's ModelRunner (plugins, weights shard, pools) and LoRA mirror; returns (runner, mirror)."""
+def build_rank(config: WorkerConfig, ready: Any = None):
+    """This rank's runtime (plugins, weights shard, pools, LoRA, graphs; `build_runtime`'s order,
+    `ready(lora)` before the graphs) and its LoRA mirror; returns (runner, mirror)."""
     import torch
 
     from backplane.distributed.lora_sync import LoraMirror
-    from backplane.lora.manager import attach_lora
-    from backplane.executor.model_runner import ModelRunner
     from backplane.plugin.manager import load_plugins
+    from backplane.runtime import build_runtime
 
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
@@ -57,8 +57,8 @@ def build_rank(config: WorkerConfig):
     args = config.args
     plugin_set = load_plugins(strict=args.strict_plugins, extra=resolve_plugins(config.extra_plugins))
     plugin_set.configure(args)
-    runner = ModelRunner(args, plugin_set, parallel)
-    return runner, LoraMirror(attach_lora(runner))
+    runtime = build_runtime(args, plugin_set, parallel, speculative=False, ready=ready)
+    return runtime.runner, LoraMirror(runtime.lora)
 
 
 def serve(config: WorkerConfig, runner: Any, mirror: Any) -> None:
@@ -92,9 +92,7 @@ def worker_main(config: WorkerConfig, reports: Any) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     code = 0
     try:
-        runner, mirror = build_rank(config)
-        reports.put(("ready", config.rank, None))
-        runner.init_cuda_graphs()
+        runner, mirror = build_rank(config, ready=lambda lora: reports.put(("ready", config.rank, None)))
         serve(config, runner, mirror)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to rank 0
         traceback.print_exc()

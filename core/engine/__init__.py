@@ -2,7 +2,7 @@
 
 from backplane.engine.async_engine import AsyncEngine, RequestStream, StreamChunk
 from backplane.engine.engine import Engine
-from backplane.engine.request import RequestOutput
-from backplane.engine.sampling_params import SamplingParams
+from backplane.scheduler.request import RequestOutput
+from backplane.scheduler.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "Engine", "RequestStream", "StreamChunk", "RequestOutput", "SamplingParams"]

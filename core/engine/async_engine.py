@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 from backplane.engine.engine import Engine
 from backplane.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError, RequestRejected
-from backplane.engine.sampling_params import SamplingParams
-from backplane.engine.stream import Delta, RequestStream, StreamChunk, deliver_by_loop, stop_holdback
+from backplane.scheduler.sampling_params import SamplingParams
+from backplane.text.stream import Delta, RequestStream, StreamChunk, deliver_by_loop, stop_holdback
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestRejected", "RequestStream", "StreamChunk"]
 

@@ -7,17 +7,18 @@ import logging
 import threading
 from typing import Any, Sequence
 
+from backplane.config import resolve_prefix_cache, resolve_runtime
 from backplane.distributed.launcher import WorkerFailedError
 from backplane.engine.inputs import PromptInput, split_prompts
-from backplane.engine.prefix_cache import PrefixCache
-from backplane.engine.request import FinishReason, Req, RequestOutput
-from backplane.engine.sampling_params import SamplingParams
-from backplane.engine.scheduler import Scheduler
-from backplane.engine.tokenizer import decode_text, eos_ids, load_tokenizer
-from backplane.lora.manager import attach_lora
+from backplane.scheduler.prefix_cache import PrefixCache
+from backplane.scheduler.request import FinishReason, Req, RequestOutput
+from backplane.scheduler.sampling_params import SamplingParams
+from backplane.scheduler.scheduler import Scheduler
+from backplane.text.tokenizer import decode_text, eos_ids, load_tokenizer
 from backplane.plugin.manager import PluginSet, load_plugins
+from backplane.runtime import build_runtime
 from backplane.settings import EngineArgs, build_server_args
-from backplane.speculative.factory import build_spec_worker, check_spec_settings, sampling_refusal
+from backplane.speculative.factory import check_spec_settings, sampling_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class Engine:
                  plugin_options: dict[str, dict[str, Any]] | None = None,
                  server_args: EngineArgs | None = None, plugin_set: PluginSet | None = None, **kwargs: Any):
         from backplane.distributed.driver import start_tensor_parallel, tp_startup
-        from backplane.executor.model_runner import ModelRunner
+        from backplane.executor.model_runner import resolve_device
 
         if model is not None:
             kwargs["model"] = model
@@ -42,31 +43,20 @@ class Engine:
         self.args = server_args or build_server_args(kwargs, self.plugin_set.settings_groups(), plugin_options)
         self.plugin_set.configure(self.args)
         self.spec = check_spec_settings(self.args, self.plugin_set)  # fail fast, before the model
+        self.config = resolve_runtime(self.args, resolve_device(self.args))
         # --tp-size N: this process is rank 0 and spawns ranks 1..N-1 (None at tp size 1).
-        self.tp = start_tensor_parallel(self.args, plugins)
+        self.tp = start_tensor_parallel(self.args, plugins, self.config.tensor_parallel)
         with tp_startup(self.tp):  # a failure here stops the workers and names one that caused it
-            self.runner = ModelRunner(self.args, self.plugin_set, self.tp.parallel if self.tp else None,
-                                      router=self.tp)
-            # NOTE: LoRA wraps the model and joins the graph key, so it must exist before capture.
-            self.lora_manager = attach_lora(self.runner)  # a contributor of the runner
-            participants = [self.lora_manager] if self.lora_manager else []
-            # NOTE: verify batches go through the same participants: each request keeps its adapter.
-            self.spec_worker = build_spec_worker(self.args, self.plugin_set, self.runner, participants)
-            if self.tp is not None:
-                self.tp.wait_ready(self.lora_manager)  # waits for every worker's runner
-            self.runner.init_cuda_graphs()
-            if self.spec_worker is not None:
-                self.spec_worker.init_cuda_graphs()  # the draft's graphs share the target's pool
+            runtime = build_runtime(self.args, self.plugin_set, self.tp.parallel if self.tp else None,
+                                    router=self.tp, ready=self.tp.wait_ready if self.tp else None)
+        self.runner, self.lora_manager, self.spec_worker = runtime.runner, runtime.lora, runtime.spec_worker
         self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size),
                                         self.args.tokenizer_path)
+        refusal = getattr(self.spec_worker, "prefix_cache_refusal", None)
         self.scheduler = Scheduler(
-            self.runner, max_running=self.args.max_running_requests or self.runner.req_to_token_pool.size - 1,
-            chunk_size=self.args.chunked_prefill_size,
-            eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
-            detokenize=self.decode, seed=self.args.seed,
-            participants=participants,
-            spec_worker=self.spec_worker, prefix_cache=self._make_prefix_cache(),
-            overlap=self.overlap_schedule,
+            self.runner, self.config.scheduler, eos_token_ids=eos_ids(self.tokenizer, self.runner.hf_config),
+            detokenize=self.decode, participants=runtime.participants, spec_worker=self.spec_worker,
+            prefix_cache=PrefixCache.from_config(self.runner, resolve_prefix_cache(self.args, refusal)),
         )
         if self.spec_worker is not None and not self.args.disable_overlap_schedule:
             logger.info("overlap scheduling is off under speculative decoding (%s): each step's tokens "
@@ -76,18 +66,6 @@ class Engine:
         self._rids = itertools.count()
         self._lock = threading.Lock()  # one generate call at a time: the scheduler is not thread-safe
 
-    def _make_prefix_cache(self) -> PrefixCache:
-        """The radix cache over the KV pool: on unless --disable-radix-cache, or a speculative
-        algorithm cannot start from a cached prefix (then off, with a warning saying why)."""
-        refusal = getattr(self.spec_worker, "prefix_cache_refusal", None)
-        if self.args.disable_radix_cache:
-            refusal = "--disable-radix-cache"
-        elif refusal:
-            logger.warning("prefix cache off: %s (pass --disable-radix-cache to say so)", refusal)
-        runner = self.runner
-        return PrefixCache(runner.token_to_kv_pool, runner.req_to_token_pool, enabled=refusal is None,
-                           disabled_reason=refusal)
-
     def stats(self) -> dict[str, Any]:
         """Serving counters; "prefix_cache": hit and query token counts, the hit rate, and the
         tokens prefill computed (prefill_tokens)."""
@@ -96,7 +74,7 @@ class Engine:
     @property
     def overlap_schedule(self) -> bool:
         """Whether steps overlap (on by default; off with --disable-overlap-schedule or speculation)."""
-        return not self.args.disable_overlap_schedule and self.spec_worker is None
+        return self.scheduler.overlap
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""

@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from backplane.engine.request import Req
-from backplane.engine.sampling_params import SamplingParams
-from backplane.engine.stream import Delta
+from backplane.scheduler.request import Req
+from backplane.scheduler.sampling_params import SamplingParams
+from backplane.text.stream import Delta
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any, Sequence
 
 from backplane.engine.engine_loop import EngineDeadError, QueueFullError, RequestRejected
 from backplane.engine.engine_process import engine_main
-from backplane.engine.sampling_params import SamplingParams
-from backplane.engine.stream import Delta, RequestStream, deliver_by_loop, stop_holdback
-from backplane.engine.tokenizer import decode_text, load_tokenizer
+from backplane.scheduler.sampling_params import SamplingParams
+from backplane.text.stream import Delta, RequestStream, deliver_by_loop, stop_holdback
+from backplane.text.tokenizer import decode_text, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

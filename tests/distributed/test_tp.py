@@ -20,8 +20,8 @@ import torch
 
 from backplane import Engine, SamplingParams
 from backplane.distributed import WorkerFailedError
-from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
-from backplane.engine.request import Req
+from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
+from backplane.scheduler.request import Req
 from backplane.settings import ENV_TEST_FAIL_RANK
 from helpers_models import make_hf_model, relative_error, tiny_hf_config, unused_slots
 from lora_helpers import forward_requests, make_lora_world

@@ -105,7 +105,7 @@ def generate_tp2(overlap: bool, sent: list[BatchMessage], params, prompts=PROMPT
     """Outputs of a tp-2 engine; its pools must end where they started."""
     engine = Engine(**settings, tp_size=2, disable_overlap_schedule=not overlap)
     try:
-        assert (engine.scheduler.overlap is not None) == overlap
+        assert engine.scheduler.overlap is overlap
         rows = engine.runner.req_to_token_pool
         start = (unused_slots(engine), rows.num_free)
         sent.clear()
@@ -125,7 +125,7 @@ def assert_same(on, off):
 
 
 def test_tp2_overlap_equals_no_overlap_greedy_and_seeded(host_only_messages, caplog):
-    caplog.set_level(logging.INFO, logger="backplane.engine.scheduler")
+    caplog.set_level(logging.INFO, logger="backplane.scheduler.scheduler")
     on = generate_tp2(True, host_only_messages, mixed_params(), **TIGHT)
     follow = [m for m in host_only_messages if m.ids_follow]
     assert follow and all(m.mode == "decode" and int(m.input_ids.min()) < 0 for m in follow)

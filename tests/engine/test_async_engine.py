@@ -10,7 +10,7 @@ import pytest
 from backplane import AsyncEngine, AttentionBackendSpec, Engine, SamplingParams
 from backplane.attention import TorchNativeAttnBackend
 from backplane.engine.async_engine import QueueFullError, RequestRejected
-from backplane.engine.detokenize import MAX_WAITING_TOKENS, IncrementalText
+from backplane.text.detokenize import MAX_WAITING_TOKENS, IncrementalText
 from backplane.models.byte_tokenizer import ByteTokenizer
 from backplane.plugin.hookspecs import hookimpl
 

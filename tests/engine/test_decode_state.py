@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.engine.request import Req
+from backplane.scheduler.request import Req
 from backplane.contracts.batch import ForwardMode
 from lora_helpers import make_lora_world
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.engine.overlap import FutureTokens
+from backplane.scheduler.overlap import FutureTokens
 from helpers_models import unused_slots
 from lora_helpers import make_lora_world
 
@@ -31,7 +31,7 @@ def run_both(model, prompts, params, lora=None, **settings):
     outs = []
     for disable in (False, True):
         engine = Engine(model, disable_overlap_schedule=disable, **settings)
-        assert engine.scheduler.overlap is None if disable else engine.scheduler.overlap is not None
+        assert engine.scheduler.overlap is (not disable)
         rows = engine.runner.req_to_token_pool
         start = (unused_slots(engine), rows.num_free)
         outs.append(engine.generate(input_ids=prompts, sampling_params=params, lora=lora))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.engine.prefix_cache import IN_BATCH_SHARE_MIN, LPM_MAX_WAITING, PrefixCache
-from backplane.engine.request import Req
+from backplane.scheduler.prefix_cache import IN_BATCH_SHARE_MIN, LPM_MAX_WAITING, PrefixCache
+from backplane.scheduler.request import Req
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from helpers_models import count_computed_tokens, unused_slots
 

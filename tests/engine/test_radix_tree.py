@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.engine.radix import RadixTree, common_length
+from backplane.scheduler.radix import RadixTree, common_length
 
 
 def slots(*values: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from backplane.engine.request import FinishReason, Req
+from backplane.scheduler.request import FinishReason, Req
 
 
 def check_stop(req: Req, eos_token_ids: set[int], detokenize: Callable[[list[int]], str]) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.engine.request import Req
+from backplane.scheduler.request import Req
 from backplane.layers.sampler import SamplingBatch
 
 _EMPTY = torch.empty(0)

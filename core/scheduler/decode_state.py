@@ -22,9 +22,9 @@ from operator import attrgetter, is_
 
 import torch
 
-from backplane.engine.batch_builder import build_decode_batch
-from backplane.engine.overlap import FutureTokens
-from backplane.engine.request import Req
+from backplane.scheduler.batch_builder import build_decode_batch
+from backplane.scheduler.overlap import FutureTokens
+from backplane.scheduler.request import Req
 from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 

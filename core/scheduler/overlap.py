@@ -8,6 +8,8 @@ behind an event), which the host reads only after the next step is launched. Sto
 therefore lag by one step: a request that stopped at step N may have run in step N+1; that token
 is discarded and its KV slot is freed with the request's others. On CPU the same code runs with
 synchronous copies.
+
+The loop itself is `Scheduler.step`: launch the next batch, then read the previous `LaunchedStep`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from backplane.engine.request import Req
-    from backplane.engine.scheduler import Scheduler
+    from backplane.scheduler.request import Req
 
 
 class FutureTokens:
@@ -97,26 +98,3 @@ class LaunchedStep:
             self.event.synchronize()
         tokens, logprobs = self.packed.tolist()
         return [([int(t)], [lp]) for t, lp in zip(tokens, logprobs)]
-
-
-class OverlapLoop:
-    """Drives a Scheduler one step ahead: launch step N+1, then finish step N."""
-
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
-        self.pending: LaunchedStep | None = None
-
-    @property
-    def has_pending(self) -> bool:
-        return self.pending is not None
-
-    def step(self) -> list[Req]:
-        launched = self.scheduler.launch_step()
-        finished = self.flush()
-        self.pending = launched
-        return finished
-
-    def flush(self) -> list[Req]:
-        """Finish the step in flight, if any (the host state is exact afterwards)."""
-        pending, self.pending = self.pending, None
-        return self.scheduler.finish_step(pending) if pending is not None else []

@@ -1,0 +1,116 @@
+"""Per-component settings, derived from EngineArgs once.
+
+`EngineArgs` is what the user types (37 fields); each component takes only the few values it
+needs, already resolved, as a small frozen dataclass. The derived values are computed here and
+nowhere else, and logged once (`RuntimeConfig.describe`):
+
+- the running-request limit: --max-running-requests, else DEFAULT_RUNNING_REQUESTS[device type];
+  it is also the number of request rows of the request pool (which has one more, for graph padding);
+- the room a request row keeps past the context for speculative draft tokens: a verify step writes
+  --speculative-num-draft-tokens positions after the last cached one (0 without speculation);
+- overlap scheduling: on unless --disable-overlap-schedule or a speculative algorithm (its step
+  reads the accepted tokens before the next one is built);
+- the prefix cache: on unless --disable-radix-cache or the speculative worker refuses it
+  (`resolve_prefix_cache`, once the worker exists);
+- tensor parallelism: the world size and the process-group backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RUNNING_REQUESTS = {"cuda": 256, "cpu": 64}
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The request pool: `req_rows` rows for requests, each `spec_room` positions past the context."""
+
+    req_rows: int
+    spec_room: int
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs: at most `max_running` requests hold a request row at once, a prefill
+    batch computes at most `chunk_size` new tokens, `seed` seeds the shared sampling generator, and
+    `overlap` launches the next step before the previous one's tokens are read."""
+
+    max_running: int
+    chunk_size: int
+    seed: int = 0
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name}: expected an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """Whether the radix prefix cache is on, and if not why (a flag or the speculative algorithm)."""
+
+    enabled: bool
+    disabled_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """`world_size` ranks (1: no tensor parallelism) over a "nccl" or "gloo" process group."""
+
+    world_size: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Every derived value of one engine, resolved once by `resolve_runtime`."""
+
+    device: str
+    pool: PoolConfig
+    scheduler: SchedulerConfig
+    tensor_parallel: TensorParallelConfig
+
+    def describe(self) -> str:
+        """One line for the log: the derived values and where they came from."""
+        s = self.scheduler
+        return (f"runtime: device {self.device}, {s.max_running} running requests (request rows), "
+                f"{self.pool.spec_room} draft positions per row, prefill chunk {s.chunk_size} tokens, "
+                f"overlap {'on' if s.overlap else 'off'}, tp {self.tensor_parallel.world_size} "
+                f"({self.tensor_parallel.backend})")
+
+
+def resolve_runtime(args: Any, device: Any) -> RuntimeConfig:
+    """The derived values of `args` (EngineArgs) on `device` (a torch.device or its type, "cpu"/"cuda")."""
+    device_type = getattr(device, "type", device)
+    if device_type not in DEFAULT_RUNNING_REQUESTS:
+        raise ValueError(f"resolve_runtime: device {device_type!r}: expected one of "
+                         f"{', '.join(DEFAULT_RUNNING_REQUESTS)}")
+    max_running = args.max_running_requests or DEFAULT_RUNNING_REQUESTS[device_type]
+    speculative = bool(args.speculative_algorithm)
+    config = RuntimeConfig(
+        device=device_type,
+        pool=PoolConfig(req_rows=max_running, spec_room=args.speculative_num_draft_tokens if speculative else 0),
+        scheduler=SchedulerConfig(max_running=max_running, chunk_size=args.chunked_prefill_size, seed=args.seed,
+                                  overlap=not args.disable_overlap_schedule and not speculative),
+        tensor_parallel=TensorParallelConfig(args.tp_size, "nccl" if device_type == "cuda" else "gloo"),
+    )
+    logger.info("%s", config.describe())
+    return config
+
+
+def resolve_prefix_cache(args: Any, spec_refusal: str | None = None) -> PrefixCacheConfig:
+    """On unless --disable-radix-cache, or the speculative worker cannot start from a cached prefix
+    (`spec_refusal`, then off with a warning saying why)."""
+    if args.disable_radix_cache:
+        return PrefixCacheConfig(False, "--disable-radix-cache")
+    if spec_refusal:
+        logger.warning("prefix cache off: %s (pass --disable-radix-cache to say so)", spec_refusal)
+        return PrefixCacheConfig(False, spec_refusal)
+    return PrefixCacheConfig(True)
