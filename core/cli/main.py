@@ -10,6 +10,7 @@ from typing import Callable
 
 from backplane.cli.args import add_model_flags, prescan_strict, split_namespace
 from backplane.plugin.manager import PluginLoadError, PluginSet, load_plugins
+from backplane.plugin.runtime import PluginRuntimeError
 from backplane.settings import EngineArgs, SettingsError, build_server_args
 
 EXIT_USAGE = 2
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return ns.handler(ns, plugin_set)
     # FileNotFoundError: a model directory without config.json or weights (messages name the path).
-    except (SettingsError, UsageError, PluginLoadError, ValueError, FileNotFoundError) as err:
+    # PluginRuntimeError: a plugin's factory, hook or op failed after loading (the line names it).
+    except (SettingsError, UsageError, PluginLoadError, PluginRuntimeError, ValueError, FileNotFoundError) as err:
         print(f"backplane: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # the command's engine (and its tensor-parallel workers) is already stopped

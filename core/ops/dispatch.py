@@ -2,6 +2,9 @@
 
 For each op the highest-priority usable implementation registered for the platform wins, unless
 `--custom-ops op=name` names one. The native implementation is always available under "native".
+A plugin's implementation is first run once on a small input next to the native op (probe.py):
+one that raises or returns another shape, dtype or value is skipped under auto, with the reason
+logged, and refused in one line when named explicitly (backplane.plugin.op_probe).
 Inside torch.compile the table's `for_compile()` is used: the ops whose implementation declared
 `compile_safe` stay, the others are replaced by their native implementation.
 """
@@ -14,7 +17,9 @@ from typing import Callable
 
 from backplane.ops.names import OP_NAMES
 from backplane.ops.native import NATIVE_OPS
+from backplane.plugin.op_probe import probe_problem
 from backplane.plugin.registry import CustomOpImpl
+from backplane.plugin.selection import available_reason
 
 NATIVE = "native"
 logger = logging.getLogger(__name__)
@@ -61,22 +66,32 @@ def _native_impl(op: str, platform: str) -> CustomOpImpl:
     return CustomOpImpl(op=op, platform=platform, fn=NATIVE_OPS[op], name=NATIVE, compile_safe=True)
 
 
-def _pick(op: str, candidates: list[CustomOpImpl], platform: str, override: str | None) -> CustomOpImpl:
-    """The implementation used for `op` among those registered on `platform`."""
+def _pick(op: str, candidates: list[CustomOpImpl], platform: str, override: str | None, owner, check) -> CustomOpImpl:
+    """The implementation used for `op` among those registered on `platform`: the best one whose
+    `available()` gives no reason and whose probe passes, else the native one."""
     if override is not None:
-        return _pick_override(op, candidates, platform, override)
-    usable = [impl for impl in candidates if impl.available() is None]
-    best = max(usable, key=lambda impl: (impl.priority, impl.name == NATIVE, impl.name), default=None)
-    chosen = best if best is not None else _native_impl(op, platform)
-    passed = [impl for impl in candidates if impl not in usable and (best is None or impl.priority > best.priority)]
+        return _pick_override(op, candidates, platform, override, owner, check)
+    reasons = {id(impl): why for impl in candidates if (why := available_reason(impl)) is not None}
+    ranked = sorted((impl for impl in candidates if id(impl) not in reasons),
+                    key=lambda impl: (impl.priority, impl.name == NATIVE, impl.name), reverse=True)
+    chosen, failed = None, []
+    for impl in ranked:
+        problem = check(impl)
+        if problem is None:
+            chosen = impl
+            break
+        reasons[id(impl)] = f"{problem} ({owner(impl)})"
+        failed.append(impl)
+    chosen = chosen or _native_impl(op, platform)
+    passed = [impl for impl in candidates if id(impl) in reasons and (impl.priority > chosen.priority or impl in failed)]
     if passed:  # a preferred implementation cannot run here: say so instead of falling back silently
         logger.warning("custom op %s on %s: using %s because %s", op, platform, chosen.name,
-                       "; ".join(f"{impl.name} (priority {impl.priority}) cannot run: {impl.available()}"
+                       "; ".join(f"{impl.name} (priority {impl.priority}) cannot run: {reasons[id(impl)]}"
                                  for impl in passed))
     return chosen
 
 
-def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name: str) -> CustomOpImpl:
+def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name: str, owner, check) -> CustomOpImpl:
     matches = [impl for impl in candidates if impl.name == name]
     if not matches:
         if name == NATIVE:
@@ -86,18 +101,23 @@ def _pick_override(op: str, candidates: list[CustomOpImpl], platform: str, name:
             f"custom op override '{op}={name}': unknown implementation {name!r} for op {op!r} on "
             f"{platform}; registered: {', '.join(registered)}"
         )
-    reason = matches[0].available()
+    reason = available_reason(matches[0]) or check(matches[0])
     if reason is not None:
-        raise ValueError(f"custom op override '{op}={name}': implementation {name!r} cannot run here: {reason}")
+        raise ValueError(f"custom op override '{op}={name}': implementation {name!r} ({owner(matches[0])}) "
+                         f"cannot run here: {reason}")
     return matches[0]
 
 
-def resolve_custom_ops(impls: list[CustomOpImpl], platform: str, overrides: dict[str, str]) -> CustomOps:
+def resolve_custom_ops(impls: list[CustomOpImpl], platform: str, overrides: dict[str, str],
+                       registry=None, probe: bool = False) -> CustomOps:
     """Choose one implementation per op for `platform`.
 
     impls: every registered implementation (any platform); overrides: op name -> implementation
-    name from `--custom-ops`. Raises ValueError for an unknown op or implementation in overrides,
-    or an overridden implementation whose `available()` gives a reason.
+    name from `--custom-ops`; registry: when given, messages name the plugin of an implementation;
+    probe: run each plugin implementation considered once against the native op first (the model
+    runner does; unit tests of the choice with stand-in functions do not).
+    Raises ValueError for an unknown op or implementation in overrides, or an overridden
+    implementation whose `available()` gives a reason or that fails its probe.
     """
     for op, name in overrides.items():
         if op not in OP_NAMES:
@@ -107,8 +127,20 @@ def resolve_custom_ops(impls: list[CustomOpImpl], platform: str, overrides: dict
     picked = {}
     for op in OP_NAMES:
         candidates = [impl for impl in impls if impl.op == op and impl.platform == platform]
-        picked[op] = _pick(op, candidates, platform, overrides.get(op))
+        check = (lambda impl, op=op: probe_problem(op, impl, platform)) if probe else (lambda impl: None)
+        picked[op] = _pick(op, candidates, platform, overrides.get(op), _owner(registry), check)
     return CustomOps(**{op: impl.fn for op, impl in picked.items()},
                      chosen={op: impl.name for op, impl in picked.items()},
                      compile_safe=frozenset(op for op, impl in picked.items()
                                             if impl.compile_safe or impl.fn is NATIVE_OPS[op]))
+
+
+def _owner(registry):
+    """impl -> 'plugin NAME' (from the registry's provenance) for messages; 'plugin unknown' without one."""
+    def owner(impl: CustomOpImpl) -> str:
+        key = f"{impl.op}/{impl.platform}/{impl.name}"
+        if registry is None or key not in registry.items["custom_op"]:
+            return "plugin unknown"
+        return f"plugin {registry.provenance('custom_op', key).plugin!r}"
+
+    return owner

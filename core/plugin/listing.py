@@ -6,7 +6,8 @@ from typing import Any
 
 from backplane.plugin.manager import PluginSet
 from backplane.plugin.registry import Registered, Registry
-from backplane.plugin.selection import availability_reasons
+from backplane.plugin.version import PLUGIN_API_VERSION
+from backplane.plugin.selection import availability_reasons, install_hint_applies
 
 
 def current_platform() -> str:
@@ -34,7 +35,8 @@ def _backend_status(kind: str, reg: Registered, registry: Registry, platform: st
     shared = [other.plugin for other in registry.registrations(kind, spec.name) if other is not reg]
     entry = {"name": spec.name, "plugin": reg.plugin, "distribution": reg.distribution,
              "description": spec.description, "priority": spec.priority, "usable": not reasons,
-             "reasons": reasons, "install": spec.install_hint or None, **_capabilities(kind, spec)}
+             "reasons": reasons, "install": spec.install_hint or None,
+             "install_needed": install_hint_applies(spec, platform), **_capabilities(kind, spec)}
     if shared:
         entry["shared_with"] = shared
         entry["select_as"] = f"{spec.name}@{reg.plugin}"
@@ -48,6 +50,7 @@ def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
                 for kind in ("attention", "lora")}
     return {
         "platform": platform,
+        "plugin_api": PLUGIN_API_VERSION,
         "plugins": [vars(info) | {} for info in plugin_set.plugins],
         "attention_backends": backends["attention"],
         "lora_backends": backends["lora"],
@@ -73,11 +76,12 @@ def _format_capabilities(b: dict[str, Any]) -> str:
 
 
 def format_plugins(report: dict[str, Any]) -> str:
-    lines = [f"platform: {report['platform']}", "", "plugins:"]
+    lines = [f"platform: {report['platform']}", f"plugin API: {report['plugin_api']}", "",
+             "plugins (distribution, plugin API it needs, load time, what it registered):"]
     for p in report["plugins"]:
         origin = "builtin" if p["builtin"] else f"{p['distribution']} {p['version']}"
         status = f"FAILED: {p['error']}" if p["error"] else ", ".join(p["registered"]) or "-"
-        lines.append(f"  {p['name']:<24} {origin:<24} {status}")
+        lines.append(f"  {p['name']:<24} {origin:<24} api {p['api'] or '-':<4} {p['load_seconds']:6.3f}s  {status}")
     for title, key in (("attention backends", "attention_backends"), ("LoRA backends", "lora_backends")):
         lines += ["", f"{title}:"]
         for b in report[key]:
@@ -85,7 +89,7 @@ def format_plugins(report: dict[str, Any]) -> str:
             name = b.get("select_as", b["name"])
             lines.append(f"  {name:<14} prio {b['priority']:<4} plugin {b['plugin']:<22} {state}")
             lines.append(f"  {'':<14} {_format_capabilities(b)}")
-            if b["install"] and not b["usable"]:
+            if b["install_needed"]:  # a missing dependency, not a missing device
                 lines.append(f"  {'':<14} install: {b['install']}")
             if "shared_with" in b:
                 lines.append(f"  {'':<14} name also registered by {', '.join(b['shared_with'])}: "

@@ -158,7 +158,7 @@ def _load_one(plugin_set: PluginSet, info: PluginInfo, load, strict: bool, watch
 
 def _note_time(plugin_set: PluginSet, info: PluginInfo) -> None:
     logger.debug("plugin %r (%s) loaded in %.3f s", info.name, info.module, info.load_seconds)
-    if info.load_seconds > SLOW_IMPORT_S:
+    if info.load_seconds > SLOW_IMPORT_S and not info.builtin:  # the builtins import torch for everyone
         _warn(plugin_set, f"plugin {info.name!r} ({info.module}) took {info.load_seconds:.1f} s to load, which every "
                           "backplane command (and --help) waits for; it should import heavy modules inside its "
                           "factories (or leave it out with BACKPLANE_PLUGINS)")
