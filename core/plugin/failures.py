@@ -18,6 +18,7 @@ import pluggy
 
 from backplane.plugin import hookspecs
 from backplane.plugin.registry import RegistrationError
+from backplane.plugin.version import PluginApiError
 
 # Frames of these folders are the loading machinery, not the plugin: error locations skip them.
 _MACHINERY_DIRS = tuple(str(Path(m.__file__).parent) + os.sep for m in (pluggy, importlib, hookspecs))
@@ -33,7 +34,7 @@ class PluginHookError(Exception):
 
 def one_line(exc: BaseException) -> str:
     """The error on one line: our own errors by their message, others as `Type: message`."""
-    if isinstance(exc, (PluginHookError, RegistrationError)):
+    if isinstance(exc, (PluginHookError, RegistrationError, PluginApiError)):
         return str(exc)
     if isinstance(exc, SyntaxError):  # the position goes into the location
         return f"SyntaxError: {exc.msg}"
