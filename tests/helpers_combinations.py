@@ -149,12 +149,12 @@ class CellResult:
 @contextlib.contextmanager
 def _count_opaque_calls(counter: list):
     """Count the opaque attention op's real calls (compiled forwards, captures included)."""
-    real = opaque.current_batch
-    opaque.current_batch = lambda: counter.append(1) or real()
+    real = opaque.bound_batch
+    opaque.bound_batch = lambda layer: counter.append(1) or real(layer)
     try:
         yield
     finally:
-        opaque.current_batch = real
+        opaque.bound_batch = real
 
 
 def run_cell(world: MatrixWorld, cell: Cell, tie_fraction: float, **settings) -> CellResult:

@@ -106,18 +106,18 @@ class EagerReplayGraphs(GraphRunner):
 
     def capture(self) -> None:
         for key in self.keys():
-            self._capture_batch(key)
+            self.prepare_contributors(self._capture_batch(key), key)
             self.graphs[key] = None
 
-    def replay(self, batch):
-        key = self.key_for(batch)
+    def replay(self, batch, key=None):
+        key = key or self.key_for(batch)
         padded = pad_into(self.static, batch, key, self.pad_row, self.fill)
-        self.prepare_contributors(padded, key, real=batch)
+        bindings = self.prepare_contributors(padded, key, real=batch)  # what the captured kernels read
         self.backend.init_forward_metadata(padded)
-        for contributor in self.ctx.contributors:  # what the captured kernels would have read
-            contributor.begin_forward(padded)
         self.replayed.append(key)
-        return ModelOutput(self.model(padded).logits[: batch.num_tokens])
+        model_ctx = self.ctx.model_ctx
+        with model_ctx.bind(model_ctx.context_for(padded, attn_backend=self.backend, bindings=bindings, graph_key=key)):
+            return ModelOutput(self.model(padded).logits[: batch.num_tokens])
 
 
 def with_fake_graphs(engine) -> EagerReplayGraphs:

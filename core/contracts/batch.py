@@ -7,6 +7,8 @@ vectors so that backends can plan on the host without a device synchronisation.
 from __future__ import annotations
 
 import enum
+import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -66,7 +68,7 @@ class ForwardMode(enum.Enum):
         return self is ForwardMode.DECODE
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForwardBatch:
     """One forward pass over `batch_size` requests.
 
@@ -83,6 +85,12 @@ class ForwardBatch:
     For TARGET_VERIFY (and any extend with `custom_mask`): `custom_mask` is a flat bool tensor
     holding, request after request, a row-major [extend_len, seq_len] mask over all keys of the
     request (prefix included); `mask_indptr` [batch_size + 1] gives where each request starts.
+
+    A ForwardBatch holds the forward's inputs only, built by keyword. What the forward runs with
+    (backend, LoRA binding, op table, hidden-state capture, logits buffer) is its ForwardContext
+    (backplane.contracts.forward_context), which the model runner binds for the forward alone.
+    `plugin_inputs` carries what scheduler participants describe of the batch, by name (LoRA:
+    "lora" -> the requests' segments and slots): host data, shipped as is to tensor-parallel ranks.
     """
 
     forward_mode: ForwardMode
@@ -102,16 +110,11 @@ class ForwardBatch:
     custom_mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
     spec_info: Any = None
-    lora_info: Any = None
     return_logprob: bool = False
     # Which tokens' hidden states go to the logits layer (default: the last of each request).
     logits_indices: torch.Tensor | None = None
-    # Set by the model runner while a CUDA graph is captured or replayed.
-    graph_key: Any = None
-    # The model returns the last layer's hidden states too (EAGLE drafts from them).
-    capture_hidden: bool = False
-    # A caller-owned fp32 [rows >= selected tokens, vocab] the logits layer writes into (graph capture).
-    logits_out: torch.Tensor | None = None
+    # What scheduler participants describe of this batch, by name (host data only).
+    plugin_inputs: dict[str, Any] = field(default_factory=dict)
     # The builder's host copies (None for batches built elsewhere: graph capture, speculation).
     host: HostBatch | None = None
 
@@ -134,3 +137,61 @@ class ForwardBatch:
     def tokens_per_request(self) -> int:
         """Decode and verify batches have the same number of new tokens in every request."""
         return self.num_tokens // max(self.batch_size, 1)
+
+    # -- names of the first releases (deprecated) ------------------------------------------------
+
+    @property
+    def lora_info(self) -> Any:
+        """Deprecated: the LoRA description is `plugin_inputs.get("lora")`; the forward's LoRA
+        binding is `ForwardContext.binding("lora")`."""
+        _moved_field("lora_info", 'plugin_inputs.get("lora") (inputs) or ForwardContext.binding("lora")')
+        return self.plugin_inputs.get("lora")
+
+    @property
+    def capture_hidden(self) -> bool:
+        """Deprecated: pass `capture_hidden=True` to `ModelRunner.forward`; the model reads
+        `ForwardContext.capture_hidden`."""
+        _moved_field("capture_hidden", "ModelRunner.forward(batch, capture_hidden=True)")
+        return bool(self.__dict__.get("_legacy_capture_hidden", False))
+
+    @capture_hidden.setter
+    def capture_hidden(self, value: bool) -> None:
+        _moved_field("capture_hidden", "ModelRunner.forward(batch, capture_hidden=True)")
+        self.__dict__["_legacy_capture_hidden"] = bool(value)
+
+
+# The first releases' positional order (plugins built ForwardBatch positionally).
+_POSITIONAL = ("forward_mode", "batch_size", "input_ids", "positions", "req_pool_indices", "seq_lens",
+               "seq_lens_cpu", "out_cache_loc", "req_to_token_pool", "token_to_kv_pool")
+# Fields of 0.1 that are per-forward bindings since 0.2 (accepted with a warning; capture_hidden kept).
+_DROPPED = {"capture_hidden": "ModelRunner.forward(batch, capture_hidden=True)",
+            "lora_info": 'plugin_inputs["lora"] (inputs) or ForwardContext.binding("lora")',
+            "logits_out": "ForwardContext.logits_out", "graph_key": "ForwardContext.graph_key"}
+_keyword_init = ForwardBatch.__init__
+
+
+def _init(self: ForwardBatch, *args: Any, **kwargs: Any) -> None:
+    if args:
+        if len(args) > len(_POSITIONAL):
+            raise TypeError(f"ForwardBatch: expected at most {len(_POSITIONAL)} positional arguments (deprecated; "
+                            f"pass every field by keyword), got {len(args)}")
+        warnings.warn("ForwardBatch(...) with positional arguments is deprecated since backplane 0.2; pass "
+                      f"every field by keyword ({', '.join(_POSITIONAL[:len(args)])}=...)", DeprecationWarning,
+                      stacklevel=2)
+        kwargs.update(zip(_POSITIONAL, args))
+    legacy = {name: kwargs.pop(name) for name in _DROPPED if name in kwargs}
+    _keyword_init(self, **kwargs)
+    for name, value in legacy.items():
+        _moved_field(name, _DROPPED[name])
+        if name == "capture_hidden":
+            self.__dict__["_legacy_capture_hidden"] = bool(value)
+
+
+_init.__doc__ = _keyword_init.__doc__
+_init.__signature__ = inspect.signature(_keyword_init)  # type: ignore[attr-defined]
+ForwardBatch.__init__ = _init  # type: ignore[method-assign]
+
+
+def _moved_field(name: str, new: str) -> None:
+    warnings.warn(f"ForwardBatch.{name} is deprecated since backplane 0.2; use {new}", DeprecationWarning,
+                  stacklevel=3)

@@ -235,3 +235,18 @@ def _host_int32(values: IntsLike, what: str) -> torch.Tensor:
             )
         return values.reshape(-1).to(torch.int32)
     return torch.tensor(list(values), dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """What the LoRA participant describes of a batch (`ForwardBatch.plugin_inputs["lora"]`):
+    host data only, so tensor parallelism ships it as it is.
+
+    seg_lens, slots: [num_segments] one segment per request, its new tokens and its adapter slot
+    (0: base only); slot_of: adapter name -> slot of every adapter resident when the batch was
+    described, which a tensor-parallel rank mirrors before its forward.
+    """
+
+    seg_lens: tuple[int, ...]
+    slots: tuple[int, ...]
+    slot_of: tuple[tuple[str, int], ...] = ()

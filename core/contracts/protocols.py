@@ -3,12 +3,14 @@
 Components meet through these, handed over in a constructor or in one registration call made
 while the engine is built; none is assigned onto another component afterwards:
 
-- `GraphContributor` (the LoraManager): per-batch state the model's layers read. The runner binds
-  it before every forward (`ModelRunner.add_contributor`, before `init_cuda_graphs`), and, since
-  it changes the recorded kernels, it takes part in CUDA graph capture and in every graph key.
+- `GraphContributor` (the LoraManager): per-forward state the model's layers read. It returns its
+  binding for each forward, which the runner puts in that forward's ForwardContext
+  (`ModelRunner.add_contributor`, before `init_cuda_graphs`); since it changes the recorded
+  kernels, it takes part in CUDA graph capture and in every graph key.
 - `SchedulerParticipant` (the LoraManager): the scheduler asks it whether a request may join the
-  running ones and lets it describe each batch (`Scheduler(participants=...)`); speculative
-  verify batches go through the same participants (`SpecContext.participants`).
+  running ones and lets it describe each batch's inputs in `batch.plugin_inputs` (host data)
+  (`Scheduler(participants=...)`); speculative verify batches go through the same participants
+  (`SpecContext.participants`).
 - `RunningRequests` (the Scheduler): who knows the requests now running
   (`LoraManager.bind_running`: their adapters are not evicted).
 - `ForwardRouter` (the tensor-parallel driver): where rank 0's forwards go
@@ -19,7 +21,7 @@ They are `runtime_checkable`, so a registration can refuse an object that lacks 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -34,11 +36,10 @@ GraphExtras = tuple[tuple[str, Hashable], ...]  # one contributor's items of a G
 class GraphContributor(Protocol):
     """Per-batch state that the model's layers read and that changes the recorded kernels."""
 
-    def begin_forward(self, batch: ForwardBatch) -> None:
-        """Called by the runner right before the model runs `batch`, eagerly or being captured
-        into a graph (a replay runs no Python, so it is not called then): point the layers at the
-        batch's state, and plan it for an eager pass (`batch.graph_key` None); a graph batch was
-        planned by `prepare_graph_batch`."""
+    def begin_forward(self, batch: ForwardBatch) -> Mapping[str, Any]:
+        """Called by the runner right before an eager forward of `batch`: plan it and return the
+        contributor's bindings ({name: value}), which the runner binds in the forward's
+        ForwardContext (the layers read them there). Graph batches use `prepare_graph_batch`."""
 
     def graph_participant(self) -> GraphParticipant:
         """Which modes the contributor can run inside a CUDA graph (the runner captures the
@@ -50,9 +51,11 @@ class GraphContributor(Protocol):
     def graph_key_extras(self, batch: ForwardBatch) -> GraphExtras:
         """Its items of the key of the graph that can replay `batch`, e.g. (("lora", True),)."""
 
-    def prepare_graph_batch(self, batch: ForwardBatch, key: GraphKey, real: ForwardBatch | None = None) -> None:
-        """Bind its state for a graph batch: for capture (`real` None, `batch` all padding) or for
-        replay (`batch` is `real` padded to `key`), written into the captured static buffers."""
+    def prepare_graph_batch(self, batch: ForwardBatch, key: GraphKey,
+                            real: ForwardBatch | None = None) -> Mapping[str, Any]:
+        """Its state for a graph batch, written into the captured static buffers: for capture (`real`
+        None, `batch` all padding; the returned bindings go into the capture's ForwardContext) or
+        for replay (`batch` is `real` padded to `key`; a replay runs no Python, the return is unused)."""
 
 
 @runtime_checkable
@@ -64,7 +67,8 @@ class SchedulerParticipant(Protocol):
         in the same step); False keeps it waiting."""
 
     def prepare_batch(self, batch: ForwardBatch, reqs: Sequence[Any]) -> None:
-        """Describe `batch`, built from `reqs` in order, before it runs (LoRA: `batch.lora_info`)."""
+        """Describe `batch`, built from `reqs` in order, before it runs, in `batch.plugin_inputs[name]`
+        (host data; LoRA: "lora" -> LoraSegments)."""
 
 
 @runtime_checkable

@@ -1,7 +1,9 @@
 """What rank 0 sends each forward so that every worker runs the same batch on its own pools.
 
 A BatchMessage is built from host data only: the batch builder's host copies (`batch.host`), the
-host length vectors and the LoRA segment and slot table. Reading a device tensor back would wait
+host length vectors and the batch's `plugin_inputs` (what scheduler participants describe of it,
+host data by contract: LoRA's segments and slot table ride there, shipped as they are; each
+participant's graph contributor on the worker makes its binding from them). Reading a device tensor back would wait
 for the step in flight and undo overlap scheduling, so `pack_batch` never does.
 
 Under overlap scheduling a decode batch's input ids hold placeholders (-k) for tokens sampled on
@@ -41,7 +43,8 @@ class BatchMessage:
     seq_lens_cpu: [batch_size] int32; optional: the OPTIONAL_FIELDS of ForwardBatch.
     input_ids may hold placeholders (< 0); then `ids_follow` is True and the resolved ids come by
     a device broadcast right after the message (`receive_input_ids`).
-    lora: a lora_sync.LoraMessage, or None for a base-only batch.
+    plugin_inputs: the batch's `plugin_inputs`, as they are. lora: unused (always None; kept while
+    callers still pass it).
     """
 
     mode: str
@@ -53,7 +56,7 @@ class BatchMessage:
     seq_lens_cpu: torch.Tensor
     optional: dict[str, torch.Tensor] = field(default_factory=dict)
     return_logprob: bool = False
-    capture_hidden: bool = False
+    plugin_inputs: dict[str, Any] = field(default_factory=dict)
     lora: Any = None
     # EXTEND: req_to_token[row, :prefix_len] of every request, request after request [sum prefix] int64;
     # a prefix from the radix cache was never part of a batch on the workers.
@@ -62,7 +65,8 @@ class BatchMessage:
 
 
 def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
-    """The host data of `batch` (rank 0, before its forward); reads no device tensor.
+    """The host data of `batch` (rank 0, before its forward); reads no device tensor. (`lora` is
+    ignored: LoRA's description travels in `plugin_inputs`.)
 
     `batch` must come from the batch builder (backplane.engine.batch_builder), whose host copies
     (`batch.host`) it sends.
@@ -80,8 +84,8 @@ def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
         mode=batch.forward_mode.value, batch_size=batch.batch_size, input_ids=_own(host.input_ids),
         positions=_own(host.positions), out_cache_loc=_own(host.out_cache_loc),
         req_pool_indices=_own(host.req_pool_indices), seq_lens_cpu=_own(batch.seq_lens_cpu.to(torch.int32)),
-        optional=_optional(batch), return_logprob=batch.return_logprob, capture_hidden=batch.capture_hidden,
-        lora=lora, prefix_slots=host.prefix_slots if batch.forward_mode == ForwardMode.EXTEND else None,
+        optional=_optional(batch), return_logprob=batch.return_logprob, plugin_inputs=dict(batch.plugin_inputs),
+        prefix_slots=host.prefix_slots if batch.forward_mode == ForwardMode.EXTEND else None,
         ids_follow=host.has_placeholders,
     )
 
@@ -158,7 +162,7 @@ def unpack_batch(msg: BatchMessage, req_to_token_pool: Any, token_to_kv_pool: An
         req_pool_indices=_dev(msg.req_pool_indices, device), seq_lens=_dev(msg.seq_lens_cpu, device),
         seq_lens_cpu=msg.seq_lens_cpu, out_cache_loc=_dev(msg.out_cache_loc, device),
         req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
-        return_logprob=msg.return_logprob, capture_hidden=msg.capture_hidden,
+        return_logprob=msg.return_logprob, plugin_inputs=dict(msg.plugin_inputs),
     )
     for name, value in msg.optional.items():
         setattr(batch, name, value if name.endswith("_cpu") else _dev(value, device))

@@ -4,7 +4,8 @@ Attention and LoRA layers route through `torch.ops.backplane.*` while Dynamo tra
 (backplane.ops.opaque), so the compiled region holds the model's own math (norms, rotary, MLP,
 logits) and one opaque call per layer's attention and LoRA delta. Custom ops declared compile-safe
 (torch.library ops of a plugin) stay opaque calls too; the others run as their native code. Planning (the attention backend's
-metadata, the LoRA batch info) is done by the caller before each call, outside the region.
+metadata, the LoRA batch info) is done by the caller before each call, outside the region, and the
+caller binds the ForwardContext (with the compile-safe op table) around the call.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 import torch
 
 from backplane.ops.dispatch import CustomOps
-from backplane.ops.opaque import forward_context
 
 # Compiled shapes per forward (graph sizes x modes x graph variants) can pass Dynamo's default of 8;
 # past its limit Dynamo would silently run eagerly, which `--enable-torch-compile` must never do.
@@ -32,15 +32,15 @@ def _raise_recompile_limits() -> None:
 class CompiledForward:
     """Callable like the model: batch -> ModelOutput, through one torch.compile of the model.
 
-    model_ctx: the ModelContext whose `ops` table is swapped for `ops.for_compile()` during the call:
+    The caller binds the forward's ForwardContext with `ops=compile_ops(model_ops)` before calling:
     custom ops whose implementation declared `compile_safe` (torch.library ops, opaque to Inductor)
-    stay, the others become native so Inductor fuses them. dynamic: passed to torch.compile (False
-    for CUDA graphs, one compile per captured shape; None elsewhere).
+    stay, the others become native so Inductor fuses them. Nothing is swapped on the model.
+    dynamic: passed to torch.compile (False for CUDA graphs, one compile per captured shape; None
+    elsewhere).
     """
 
-    def __init__(self, model: torch.nn.Module, model_ctx: Any, dynamic: bool | None = False):
+    def __init__(self, model: torch.nn.Module, dynamic: bool | None = False):
         _raise_recompile_limits()
-        self.model_ctx = model_ctx
         self.compiled = torch.compile(model, dynamic=dynamic)
         self._eager_ops: CustomOps | None = None
         self._compile_ops: CustomOps | None = None
@@ -52,13 +52,7 @@ class CompiledForward:
         return self._compile_ops
 
     def __call__(self, batch: Any) -> Any:
-        ops = self.model_ctx.ops
-        self.model_ctx.ops = self.compile_ops(ops)
-        try:
-            with forward_context(batch):
-                return self.compiled(batch)
-        finally:
-            self.model_ctx.ops = ops
+        return self.compiled(batch)
 
 
 def compiles_batch(args: Any, batch: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.forward_context import ForwardContext
 from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, padded_size,
                                             tokens_per_request)
 from backplane.contracts.model import ModelOutput
@@ -136,16 +137,17 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     seq_lens_cpu = torch.cat([batch.seq_lens_cpu.to(torch.int32), pad])
     view = _view(static, key, batch, seq_lens_cpu)
     if key.mode is ForwardMode.TARGET_VERIFY:
-        _pad_verify(static, view, batch.custom_mask, bs)
+        _pad_verify(static, view, key, batch.custom_mask, bs)
     return view
 
 
-def _pad_verify(static: StaticInputs, view: ForwardBatch, real_mask: torch.Tensor | None, real_bs: int) -> None:
+def _pad_verify(static: StaticInputs, view: ForwardBatch, key: GraphKey, real_mask: torch.Tensor | None,
+                real_bs: int) -> None:
     """Fill the verify fields of a padded view: the real requests' tree mask, then an all-visible
     [tokens_per_request, seq_len] block for each padded request; extend lengths from seq_lens."""
     if real_mask is None:
         raise ValueError("graph runner: a TARGET_VERIFY batch needs custom_mask, got None")
-    pbs, tpr = view.batch_size, view.graph_key.tokens_per_request
+    pbs, tpr = view.batch_size, key.tokens_per_request
     sizes = tpr * view.seq_lens_cpu.to(torch.int64)  # [pbs] mask entries per request
     indptr = torch.zeros(pbs + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(sizes, 0)
@@ -166,22 +168,21 @@ def _pad_verify(static: StaticInputs, view: ForwardBatch, real_mask: torch.Tenso
 
 def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
     pbs, pn = key.batch_size, key.num_tokens
-    view = ForwardBatch(
+    return ForwardBatch(
         forward_mode=key.mode, batch_size=pbs, input_ids=static.input_ids[:pn],
         positions=static.positions[:pn], req_pool_indices=static.req_pool_indices[:pbs],
         seq_lens=static.seq_lens[:pbs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=static.out_cache_loc[:pn],
         req_to_token_pool=like.req_to_token_pool, token_to_kv_pool=like.token_to_kv_pool,
-        spec_info=like.spec_info, lora_info=like.lora_info, graph_key=key, capture_hidden=like.capture_hidden,
+        spec_info=like.spec_info, plugin_inputs=dict(like.plugin_inputs),
     )
-    return view
 
 
 @dataclass(frozen=True)
 class GraphRunnerContext:
     """What a GraphRunner reads from its model runner (`ModelRunner.graph_context()`).
 
-    model, model_ctx: the model whose forward is captured and its context (torch.compile swaps its
-    ops); attn_backend: the backend the graphs' attention runs (graph state, capture and replay
+    model, model_ctx: the model whose forward is captured and its context (each capture binds a
+    ForwardContext on it); attn_backend: the backend the graphs' attention runs (graph state, capture and replay
     metadata); attention: the decode backend's selection (its seq_len fill value for padded
     requests; named when a capture fails); args: the graph settings (--cuda-graph-*, torch.compile,
     the draft-token count); contributors: the runner's graph contributors, which key every graph
@@ -272,32 +273,38 @@ class GraphRunner:
         self.static.seq_lens[: key.batch_size].fill_(fill)
         self.static.out_cache_loc[: key.num_tokens].zero_()
         seq_lens_cpu = torch.full((key.batch_size,), fill, dtype=torch.int32)
-        like = ForwardBatch(key.mode, key.batch_size, self.static.input_ids, self.static.positions,
-                            self.static.req_pool_indices, self.static.seq_lens, seq_lens_cpu,
-                            self.static.out_cache_loc, self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool)
-        if key.mode is ForwardMode.TARGET_VERIFY:
-            like.capture_hidden = True  # EAGLE drafts from them; harmless for others
-        self.prepare_contributors(like, key)
+        like = ForwardBatch(forward_mode=key.mode, batch_size=key.batch_size, input_ids=self.static.input_ids,
+                            positions=self.static.positions, req_pool_indices=self.static.req_pool_indices,
+                            seq_lens=self.static.seq_lens, seq_lens_cpu=seq_lens_cpu,
+                            out_cache_loc=self.static.out_cache_loc, req_to_token_pool=self.ctx.req_to_token_pool,
+                            token_to_kv_pool=self.ctx.token_to_kv_pool)
         view = _view(self.static, key, like, seq_lens_cpu)
         if key.mode is ForwardMode.TARGET_VERIFY:  # capture with a mask: replays always carry one
-            _pad_verify(self.static, view, self.static.custom_mask[:0], 0)
+            _pad_verify(self.static, view, key, self.static.custom_mask[:0], 0)
         return view
 
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)
-        batch.logits_out = self.static_logits
         self.backend.init_metadata_for_capture(key, batch)
-        for contributor in self.ctx.contributors:  # bound once: warm-up and capture run the same batch
-            contributor.begin_forward(batch)
-        forward = self._forward_fn(key)
-        self.graphs[key], self.outputs[key] = capture_graph(lambda: forward(batch), global_graph_pool())
+        forward, ops = self._forward_fn(key)
+        # NOTE: bound once for the warm-up runs and the capture (they run the same batch); a replay
+        # runs no Python, so nothing is bound then. Verify graphs return the hidden states (EAGLE
+        # drafts from them; harmless for other algorithms).
+        context = ForwardContext(batch=batch, attn_backend=self.backend, ops=ops,
+                                 bindings=self.prepare_contributors(batch, key),
+                                 capture_hidden=key.mode is ForwardMode.TARGET_VERIFY,
+                                 logits_out=self.static_logits, graph_key=key)
+        with self.ctx.model_ctx.bind(context):
+            self.graphs[key], self.outputs[key] = capture_graph(lambda: forward(batch), global_graph_pool())
 
     def _forward_fn(self, key: GraphKey):
+        """(what a graph of `key` records, with which op table): the model, or its torch.compile."""
+        ops = self.ctx.model_ctx.default_ops
         if key.batch_size not in self.compile_sizes:
-            return self.model
+            return self.model, ops
         if self.compiled is None:  # one torch.compile, one specialisation per captured shape
-            self.compiled = CompiledForward(self.model, self.ctx.model_ctx, dynamic=False)
-        return self.compiled
+            self.compiled = CompiledForward(self.model, dynamic=False)
+        return self.compiled, self.compiled.compile_ops(ops)
 
     def _failure_message(self, key: GraphKey, exc: Exception) -> str:
         choice = self.ctx.attention
@@ -316,15 +323,22 @@ class GraphRunner:
         """The contributors' items of the key of `batch`'s graph, in contributor order."""
         return tuple(item for c in self.ctx.contributors for item in c.graph_key_extras(batch))
 
-    def prepare_contributors(self, batch: ForwardBatch, key: GraphKey, real: ForwardBatch | None = None) -> None:
-        """Let every contributor bind its per-batch state (LoRA segments) for capture or replay."""
+    def prepare_contributors(self, batch: ForwardBatch, key: GraphKey, real: ForwardBatch | None = None) -> dict:
+        """Let every contributor write its per-batch state (LoRA segments) into its static buffers
+        for capture or replay; returns their bindings (what a capture's ForwardContext binds)."""
+        bindings: dict = {}
         for contributor in self.ctx.contributors:
-            contributor.prepare_graph_batch(batch, key, real)
+            bindings.update(contributor.prepare_graph_batch(batch, key, real))
+        return bindings
 
     # -- replay ---------------------------------------------------------------------------------
 
-    def key_for(self, batch: ForwardBatch) -> GraphKey | None:
+    def key_for(self, batch: ForwardBatch, capture_hidden: bool = False) -> GraphKey | None:
+        """The key of the captured graph that can replay `batch`, or None (eager). Only verify graphs
+        return hidden states, so a forward that wants them in another mode runs eagerly."""
         if batch.forward_mode not in self.modes:
+            return None
+        if capture_hidden and batch.forward_mode is not ForwardMode.TARGET_VERIFY:
             return None
         tpr = self.tokens_per_request[batch.forward_mode]
         if batch.num_tokens != batch.batch_size * tpr:
@@ -338,8 +352,9 @@ class GraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.key_for(batch) is not None
 
-    def replay(self, batch: ForwardBatch) -> ModelOutput:
-        key = self.key_for(batch)
+    def replay(self, batch: ForwardBatch, key: GraphKey | None = None) -> ModelOutput:
+        """Replay the graph of `key` (default: `key_for(batch)`) for `batch`; its output sliced back."""
+        key = key or self.key_for(batch)
         padded = pad_into(self.static, batch, key, self.pad_row, self.fill_for(key))
         self.prepare_contributors(padded, key, real=batch)
         self.backend.init_metadata_for_replay(key, padded)

@@ -14,6 +14,7 @@ import torch
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
 from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.forward_context import ForwardContext
 from backplane.executor.compiled import compiles_batch
 from backplane.contracts.protocols import ForwardRouter, GraphContributor
 from backplane.layers.attention import Attention
@@ -217,7 +218,7 @@ class ModelRunner:
             # --enable-torch-compile never silently falls back to the plain model.
             from backplane.executor.compiled import CompiledForward
 
-            self.compiled_eager = CompiledForward(self.model, self.model_ctx, dynamic=None)
+            self.compiled_eager = CompiledForward(self.model, dynamic=None)
         if not modes:
             return
         self.graph_runner = GraphRunner(self.graph_context(), [ForwardMode(m) for m in modes])
@@ -319,26 +320,45 @@ class ModelRunner:
     # -- running --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ModelOutput:
-        """One forward pass: through a captured graph when the graph runner can, else eagerly."""
+    def forward(self, batch: ForwardBatch, *, capture_hidden: bool = False, use_graph: bool = True) -> ModelOutput:
+        """One forward pass: through a captured graph when `use_graph` and one can replay `batch`,
+        else eagerly (compiled under --enable-torch-compile). Under tensor parallelism the router
+        sends the batch to the other ranks first. capture_hidden: the output carries the final
+        hidden states too (EAGLE drafts from them)."""
+        return self._dispatch(batch, capture_hidden, use_graph)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch, *, capture_hidden: bool = False) -> ModelOutput:
+        """`forward(batch, use_graph=False)`: eagerly (or compiled), on every rank."""
+        return self._dispatch(batch, capture_hidden, use_graph=False)
+
+    def _dispatch(self, batch: ForwardBatch, capture_hidden: bool, use_graph: bool) -> ModelOutput:
+        capture_hidden = capture_hidden or legacy_capture_hidden(batch)
         if self.router is not None:
-            return self.router.run(batch, self._forward_local)
-        return self._forward_local(batch)
+            return self.router.run(batch, lambda b: self._forward_local(b, capture_hidden, use_graph))
+        return self._forward_local(batch, capture_hidden, use_graph)
 
-    def _forward_local(self, batch: ForwardBatch) -> ModelOutput:
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
-        return self.forward_eager(batch)
+    def _forward_local(self, batch: ForwardBatch, capture_hidden: bool, use_graph: bool) -> ModelOutput:
+        if use_graph and self.graph_runner is not None:
+            key = self.graph_runner.key_for(batch, capture_hidden)
+            if key is not None:
+                return self.graph_runner.replay(batch, key)
+        return self._run_eager(batch, capture_hidden)
 
-    def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
-        """Plan the attention metadata, let every contributor bind `batch` (outside any compiled
-        region), then run the model."""
+    def _run_eager(self, batch: ForwardBatch, capture_hidden: bool) -> ModelOutput:
+        """Plan the attention metadata, collect every contributor's bindings (outside any compiled
+        region), then run the model under one ForwardContext."""
         self.attn_backend.init_forward_metadata(batch)
+        bindings = {}
         for contributor in self.contributors:
-            contributor.begin_forward(batch)
+            bindings.update(contributor.begin_forward(batch))
+        model, ops = self.model, self.model_ctx.default_ops
         if self.compiled_eager is not None and compiles_batch(self.args, batch):
-            return self.compiled_eager(batch)
-        return self.model(batch)
+            model, ops = self.compiled_eager, self.compiled_eager.compile_ops(ops)
+        context = ForwardContext(batch=batch, attn_backend=self.attn_backend, ops=ops, bindings=bindings,
+                                 capture_hidden=capture_hidden)
+        with self.model_ctx.bind(context):
+            return model(batch)
 
     def backends_summary(self) -> dict[str, Any]:
         """Which plugin served what (shown by `generate --json` and `bench`)."""
@@ -348,3 +368,8 @@ class ModelRunner:
             "custom_ops": dict(self.model_ctx.ops.chosen),
             "device": str(self.device), "dtype": dtype_name(self.dtype),
         }
+
+
+def legacy_capture_hidden(batch: ForwardBatch) -> bool:
+    """A batch whose deprecated `capture_hidden` was set (plugins of the first release)."""
+    return bool(batch.__dict__.get("_legacy_capture_hidden", False))

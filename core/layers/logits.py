@@ -33,7 +33,7 @@ class LogitsProcessor(nn.Module):
     costly); the result is cast to fp32 before the optional soft-cap
     `cap * tanh(logits / cap)` (`final_logit_softcapping`).
 
-    `batch.logits_out`, when set, is a caller-owned fp32 [rows >= num_selected, vocab]
+    `out`, when given (the ForwardContext's `logits_out`), is a caller-owned fp32 [rows >= num_selected, vocab]
     buffer whose leading rows the cast writes into (and that view is returned): the CUDA graph
     runner gives every captured graph that one buffer, so no graph keeps a vocabulary-sized output
     of its own.
@@ -45,13 +45,13 @@ class LogitsProcessor(nn.Module):
         self.parallel = parallel
         self.softcap = float(final_logit_softcapping or 0.0)
 
-    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module, batch: ForwardBatch,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         rows = select_logits_rows(batch)
         if rows is not None:
             hidden_states = hidden_states[rows]
         logits = F.linear(hidden_states, lm_head.weight, getattr(lm_head, "bias", None))
         logits = self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
-        out = batch.logits_out
         if out is None:
             logits = logits.float()
         else:

@@ -14,7 +14,8 @@ base weight are two views of one buffer [W; A] (`LoraLinear._fold`), so decode-s
 GEMM and one expand launch per projection (not for row-parallel layers on several ranks, whose
 shrink must be all-reduced before the expand).
 Every wrapper of one model reads the current batch from one shared `LoraRuntime`: its
-`batch_info` is set before each forward (None: the pass runs without LoRA).
+`batch_info` is the "lora" binding of the ForwardContext bound on the model (None between
+forwards and for a base-only forward: the pass runs without LoRA).
 
 Tensor parallelism: a column-parallel layer (q/k/v, gate/up) keeps A whole and takes its rank's
 rows of B (for k/v the rows of its KV heads, shared by `kv_replicas` ranks); a row-parallel layer
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from backplane.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from backplane.contracts.forward_context import ForwardSlot
 from backplane.contracts.lora import LoraBackend
 from backplane.contracts.lora_batch import LoraBatchInfo
 from backplane.ops import opaque
@@ -43,10 +45,17 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)$")
 
 @dataclass
 class LoraRuntime:
-    """What every LoRA layer of one model shares: the backend and the current batch's info."""
+    """What every LoRA layer of one model shares: the backend, and the model's forward slot, whose
+    bound ForwardContext carries the forward's LoRA binding."""
 
     backend: LoraBackend
-    batch_info: LoraBatchInfo | None = None
+    forward_slot: ForwardSlot
+
+    @property
+    def batch_info(self) -> LoraBatchInfo | None:
+        """The running forward's LoraBatchInfo; None between forwards and for a base-only forward."""
+        bound = self.forward_slot.active
+        return bound.binding("lora") if bound is not None else None
 
 
 class LoraLinear(nn.Module):

@@ -7,12 +7,13 @@ backend, wraps the model's projections, and then takes part in two loops:
   requests within `--max-loras-per-batch`; `prepare_batch` makes the batch's adapters resident
   (loading into free slots, evicting the least recently used adapter no running request uses,
   the running requests read from the source given to `bind_running`) and describes the batch,
-  one segment per request, in `batch.lora_info`.
+  one segment per request, in `batch.plugin_inputs["lora"]` (a LoraSegments of host ints).
 - forwards and CUDA graphs (a `GraphContributor` of the model runner, `attach_lora`): the runner
-  calls `begin_forward(batch)` before the model runs a batch, which points the LoRA layers at
-  `batch.lora_info`. Graphs are keyed by LoRA on/off; a base-only batch has `lora_info` None and
-  runs without LoRA kernels. Captured graphs read `graph_info`, whose buffers are rewritten in
-  place at replay (padded requests use slot 0).
+  calls `begin_forward(batch)` before an eager forward and binds what it returns, {"lora":
+  LoraBatchInfo or None}, in the forward's ForwardContext, where the LoRA layers read it. Graphs
+  are keyed by LoRA on/off; a base-only batch has no "lora" input and runs without LoRA kernels.
+  Captured graphs read `graph_info`, whose buffers are rewritten in place at replay (padded
+  requests use slot 0).
 
 Eager batches use `info`; replay copies their segments into `graph_info`, so an eager run of the
 same batch after a replay (as tests do) still sees its own segments.
@@ -31,7 +32,7 @@ from backplane.contracts.graph import GraphParticipant
 from backplane.contracts.protocols import RunningRequests
 from backplane.lora.adapter import AdapterError, LoraAdapter, ProjectionShape, load_adapter, read_adapter_config
 from backplane.contracts.lora import LoraBackendContext
-from backplane.contracts.lora_batch import LoraBatchInfo
+from backplane.contracts.lora_batch import LoraBatchInfo, LoraSegments
 from backplane.lora.layers import LoraLinear, LoraRuntime, full_projection_shape, wrap_model
 from backplane.lora.pool import SlotPool
 from backplane.plugin.selection import LoraRequirements, select_lora_backend
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRAPH_MODES = ("decode", "target_verify")
+LORA = "lora"  # the name of its plugin input and of its forward binding
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class LoraContext:
     """
 
     model: torch.nn.Module
+    model_ctx: Any  # the model's ModelContext: its forward slot carries the LoRA binding to the layers
     registry: Registry
     args: EngineArgs
     device: torch.device
@@ -65,7 +68,7 @@ class LoraContext:
 
 
 def lora_context(runner: ModelRunner) -> LoraContext:
-    return LoraContext(model=runner.model, registry=runner.registry, args=runner.args, device=runner.device,
+    return LoraContext(model=runner.model, model_ctx=runner.model_ctx, registry=runner.registry, args=runner.args, device=runner.device,
                        dtype=runner.dtype, max_bs=runner.req_to_token_pool.size)
 
 
@@ -85,7 +88,7 @@ class LoraManager:
         self.selection = select_lora_backend(ctx.registry, args.lora_backend, requirements)
         self.backend_ctx = self._backend_context(ctx)
         self.backend = self.selection.spec.factory(self.backend_ctx)
-        self.runtime = LoraRuntime(self.backend)
+        self.runtime = LoraRuntime(self.backend, ctx.model_ctx.forward_slot)
         self.layers: list[LoraLinear] = wrap_model(ctx.model, self.runtime, self.num_slots, self.max_rank)
         self.adapters = self._load_adapters(ctx.dtype)
         max_segments, max_tokens = self.backend_ctx.max_bs, self.backend_ctx.max_num_tokens
@@ -94,6 +97,7 @@ class LoraManager:
         self.pool = SlotPool(self.max_loras_per_batch)
         self.ranks, self.scalings = [0] * self.num_slots, [0.0] * self.num_slots
         self.running_source: RunningRequests | None = None  # see bind_running
+        self.mirrored: dict[int, str] = {}  # slot -> adapter loaded by _ensure_resident (tensor-parallel ranks)
         self._graph_state_ready = False
         logger.info("LoRA: %d adapters, max rank %d, %d slots, backend %s (%s)", len(self.adapters),
                     self.max_rank, self.max_loras_per_batch, self.selection.spec.name, self.selection.reason)
@@ -183,32 +187,40 @@ class LoraManager:
         return len(names) <= self.max_loras_per_batch
 
     def prepare_batch(self, batch: Any, reqs: list[Any]) -> None:
-        """Load the batch's adapters and set `batch.lora_info` (None when every request is base only).
-
-        One segment per request, as long as its new tokens.
-        """
+        """Load the batch's adapters and describe it in `batch.plugin_inputs["lora"]` (a LoraSegments;
+        absent when every request is base only): one segment per request, as long as its new tokens.
+        The forward's LoRA binding is made from it by `begin_forward` / `prepare_graph_batch`."""
         names = [req.lora for req in reqs]
         if all(name is None for name in names):
-            batch.lora_info = None
+            batch.plugin_inputs.pop(LORA, None)
             return
         slots = self.acquire(names)
         if batch.extend_seq_lens_cpu is not None:
             seg_lens = batch.extend_seq_lens_cpu.tolist()
         else:
             seg_lens = [batch.tokens_per_request] * len(reqs)
-        batch.lora_info = self.info.update_(seg_lens, slots)
+        batch.plugin_inputs[LORA] = LoraSegments(tuple(seg_lens), tuple(slots), tuple(self.pool.slot_of.items()))
+
+    def _ensure_resident(self, segments: LoraSegments) -> None:
+        """Load what `segments.slot_of` has resident and this manager does not (a tensor-parallel
+        rank mirroring rank 0's slots; on rank 0 the table is its own, so nothing loads)."""
+        for name, slot in segments.slot_of:
+            if self.pool.slot_of.get(name) != slot and self.mirrored.get(slot) != name:
+                self.mirror_slot(name, slot)
+                self.mirrored[slot] = name
 
     # -- graph contributor ----------------------------------------------------------------------
 
-    def begin_forward(self, batch: Any) -> None:
-        """Point the LoRA layers at `batch.lora_info` (None: no LoRA), and plan an eager pass.
-
-        The runner calls it right before the model runs `batch`; a graph batch (graph_key set)
-        was planned by prepare_graph_batch."""
-        info = batch.lora_info
-        self.runtime.batch_info = info
-        if info is not None and batch.graph_key is None:
-            self.backend.prepare_batch(info)
+    def begin_forward(self, batch: Any) -> dict[str, LoraBatchInfo | None]:
+        """The eager forward's binding: {"lora": the batch's LoraBatchInfo, planned by the backend},
+        or {"lora": None} for a base-only batch (the layers then run no LoRA kernel)."""
+        segments = batch.plugin_inputs.get(LORA)
+        if segments is None:
+            return {LORA: None}
+        self._ensure_resident(segments)
+        info = self.info.update_(list(segments.seg_lens), list(segments.slots))
+        self.backend.prepare_batch(info)
+        return {LORA: info}
 
     def graph_participant(self) -> GraphParticipant:
         spec = self.selection.spec
@@ -216,29 +228,29 @@ class LoraManager:
         return GraphParticipant(self.selection.plugin, f"LoRA backend {spec.name!r}", modes)
 
     def graph_variants(self) -> list[tuple]:
-        return [(("lora", False),), (("lora", True),)]
+        return [((LORA, False),), ((LORA, True),)]
 
     def graph_key_extras(self, batch: Any) -> tuple:
-        return (("lora", batch.lora_info is not None),)
+        return ((LORA, batch.plugin_inputs.get(LORA) is not None),)
 
-    def prepare_graph_batch(self, batch: Any, key: Any, real: Any = None) -> None:
-        """Bind graph_info for capture (real None: every request base only) or copy `real`'s segments
-        into it for replay (padded requests: slot 0, key.tokens_per_request tokens each)."""
-        if not dict(key.extras).get("lora", False):
-            batch.lora_info = None
-            return
+    def prepare_graph_batch(self, batch: Any, key: Any, real: Any = None) -> dict[str, LoraBatchInfo | None]:
+        """The binding of a graph batch: graph_info bound for capture (real None: every request base
+        only), or `real`'s segments copied into it for replay (padded requests: slot 0,
+        key.tokens_per_request tokens each); {"lora": None} for a LoRA-off graph."""
+        if not dict(key.extras).get(LORA, False):
+            return {LORA: None}
         tpr = key.tokens_per_request
         if real is None:
             self._ensure_graph_state()
-            batch.lora_info = self.graph_info.update_([tpr] * key.batch_size, [0] * key.batch_size)
+            info = self.graph_info.update_([tpr] * key.batch_size, [0] * key.batch_size)
             self.backend.init_metadata_for_capture(key, self.graph_info)
-            return
-        source = real.lora_info
-        seg_lens = source.seg_lens_cpu[: source.bs].tolist()
-        slots = source.weight_indices_cpu[: source.bs].tolist()
+            return {LORA: info}
+        segments = real.plugin_inputs[LORA]
+        self._ensure_resident(segments)
         pad = key.batch_size - real.batch_size
-        batch.lora_info = self.graph_info.update_(seg_lens + [tpr] * pad, slots + [0] * pad)
+        info = self.graph_info.update_(list(segments.seg_lens) + [tpr] * pad, list(segments.slots) + [0] * pad)
         self.backend.init_metadata_for_replay(key, self.graph_info)
+        return {LORA: info}
 
     def _ensure_graph_state(self) -> None:
         if not self._graph_state_ready:

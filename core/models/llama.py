@@ -141,9 +141,11 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The bound ForwardContext (if any) says where the logits go and whether hidden states return."""
+        bound = self.ctx.forward
         hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden_size]
-        logits = self.logits_processor(hidden, self.lm_head, batch)
-        return ModelOutput(logits, hidden if batch.capture_hidden else None)
+        logits = self.logits_processor(hidden, self.lm_head, batch, out=bound.logits_out if bound else None)
+        return ModelOutput(logits, hidden if bound is not None and bound.capture_hidden else None)
 
     def checkpoint_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor of a Hugging Face checkpoint of this model with its full (unsplit) shape."""

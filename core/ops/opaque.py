@@ -11,8 +11,9 @@ each layer hands its attention and its LoRA delta to one registered torch op ins
 The first and the last declare `mutates_args=("out",)`; all have fake implementations that check shapes only, so
 Dynamo keeps them as single calls and Inductor fuses everything around them. The real
 implementation runs the configured backend eagerly (outside the compiled region): it finds the
-layer by `handle` (an int from `register_layer`) and the batch from `forward_context`, which the
-caller of the compiled forward enters. Planning (`init_forward_metadata`, LoRA `prepare_batch`)
+layer by `handle` (an int from `register_layer`) and the batch in the ForwardContext bound on the
+layer's model (`layer.ctx.forward`), which the model runner enters around the compiled forward.
+Nothing per-forward is kept here: the handle table maps handles to live layers only. Planning (`init_forward_metadata`, LoRA `prepare_batch`)
 stays outside too, before the call. The KV pool is state behind the attention op: the op writes the
 new tokens' K/V there, which orders correctly since every layer's op depends on the previous
 layer's output. Inside CUDA-graph capture the op launches its kernels into the captured stream.
@@ -22,14 +23,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+# NOTE: a registry of live layers (handles are process-unique), not per-forward state.
 _LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
-_BATCH: list[Any] = []  # a stack: the batch of the compiled forward now running
 
 
 def register_layer(layer: Any) -> int:
@@ -39,21 +39,13 @@ def register_layer(layer: Any) -> int:
     return handle
 
 
-@contextmanager
-def forward_context(batch: Any) -> Iterator[None]:
-    """Make `batch` the one the opaque ops of the forward run inside this block serve."""
-    _BATCH.append(batch)
-    try:
-        yield
-    finally:
-        _BATCH.pop()
-
-
-def current_batch() -> Any:
-    if not _BATCH:
-        raise RuntimeError("backplane opaque op called outside forward_context(batch): wrap the compiled "
-                           "forward in backplane.ops.opaque.forward_context")
-    return _BATCH[-1]
+def bound_batch(layer: Any) -> Any:
+    """The batch of the forward bound on `layer`'s model (its ModelContext's ForwardContext)."""
+    bound = layer.ctx.forward
+    if bound is None or bound.batch is None:
+        raise RuntimeError("backplane opaque op called outside a forward: the model runner binds a ForwardContext "
+                           "(with its batch) on the model before running the compiled forward")
+    return bound.batch
 
 
 def _layer(handle: int) -> Any:
@@ -67,7 +59,7 @@ def _layer(handle: int) -> Any:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, handle: int) -> None:
     """q: [T, H, D]; k, v: [T, H_kv, D]; out: [T, H, v_dim], written with the layer's attention."""
     layer = _layer(handle)
-    o = layer.ctx.attn_backend.forward(q, k, v, layer.info, current_batch())
+    o = layer.ctx.attn_backend.forward(q, k, v, layer.info, bound_batch(layer))
     out.copy_(o.view(out.shape))
 
 
@@ -88,7 +80,7 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     rotated in place, as in the eager path; the layer passes views nobody reads afterwards.
     """
     layer = _layer(handle)
-    o = layer.attend(q, k, v, current_batch(), _layer(rotary_handle), positions)
+    o = layer.attend(q, k, v, bound_batch(layer), _layer(rotary_handle), positions)
     if any(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):
         o = o.clone()  # a custom op's output may not alias its inputs
     return o

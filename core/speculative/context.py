@@ -32,7 +32,8 @@ class TargetRunner(Protocol):
     and draft extend; "decode"), with their declared graph modes; registry, args: where their
     option groups and values live; graph_runner: the target's GraphRunner once `init_cuda_graphs` ran (None: no
     graphs), whose batch sizes a draft's graphs follow; seq_len_fill_value: what padded requests
-    carry as seq_len; forward(batch): one target forward, through its graphs when it can.
+    carry as seq_len; forward(batch, capture_hidden=False): one target forward, through its graphs
+    when it can (with the final hidden states in the output when capture_hidden).
     """
 
     model: torch.nn.Module
@@ -50,7 +51,7 @@ class TargetRunner(Protocol):
     @property
     def seq_len_fill_value(self) -> int: ...
 
-    def forward(self, batch: ForwardBatch) -> ModelOutput: ...
+    def forward(self, batch: ForwardBatch, *, capture_hidden: bool = False) -> ModelOutput: ...
 
 
 @dataclass
@@ -82,7 +83,8 @@ class SpecContext:
     def make_attention_backend(self, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> Any:
         """A fresh instance of the target's `role` ("prefill" or "decode") attention backend over
         other pools (a draft model's), for the attention layers `layers` (AttentionLayerInfo).
-        A draft's forward binds it with `model_ctx.use_attention(backend)`."""
+        A draft's forward binds it in its ForwardContext
+        (`model_ctx.bind(model_ctx.context_for(batch, attn_backend=backend))`)."""
         from backplane.speculative.draft_parts import make_attention_backend
 
         return make_attention_backend(self.runner, role, req_to_token_pool, token_to_kv_pool, layers)

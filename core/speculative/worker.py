@@ -124,9 +124,8 @@ class SpecWorker(ABC):
         batch = build_verify_batch(reqs, input_ids, positions.tolist(),
                                    torch.cat([r.slots[-1] for r in reqs]), n, mask, indptr,
                                    self.runner.req_to_token_pool, self.runner.token_to_kv_pool)
-        batch.capture_hidden = self.capture_hidden
         self.ctx.prepare_target(batch, reqs)  # LoRA: one segment of n nodes per request, its adapter
-        output = self.runner.forward(batch)
+        output = self.runner.forward(batch, capture_hidden=self.capture_hidden)
         logits = output.logits.view(bs, n, -1)  # [bs, nodes, vocab]
         best, choice = logits.max(-1)  # the target's greedy token after each node
         logprobs = best - torch.logsumexp(logits, -1)  # its log-probability, no [.., vocab] log-softmax

@@ -50,10 +50,11 @@ class DecodeWorld:
             self.cached[r] += tokens
         dev = self.h.device
         mode = ForwardMode.DECODE if tokens == 1 else ForwardMode.DRAFT_EXTEND
-        return ForwardBatch(mode, bs, torch.zeros(bs * tokens, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, device=dev), torch.tensor(rows, device=dev),
-                            torch.tensor(seq, dtype=torch.int32, device=dev), torch.tensor(seq, dtype=torch.int32),
-                            locs.to(dev), self.h.req_pool, self.h.kv_pool)
+        return ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=torch.zeros(bs * tokens, dtype=torch.int64, device=dev),
+                            positions=torch.tensor(positions, device=dev), req_pool_indices=torch.tensor(rows, device=dev),
+                            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
+                            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32), out_cache_loc=locs.to(dev),
+                            req_to_token_pool=self.h.req_pool, token_to_kv_pool=self.h.kv_pool)
 
 
 def check_graph_replay(spec, dtype=torch.bfloat16, sizes=(1, 2, 4, 8, 16), steps: int = 24, seed: int = 0,
@@ -141,7 +142,7 @@ def check_compiled_decode(spec, dtype=torch.bfloat16, device: str = "cuda", step
         q, k, v = (world.h.randn(n, layer.num_heads, layer.head_dim), world.h.randn(n, layer.num_kv_heads, layer.head_dim),
                    world.h.randn(n, layer.num_kv_heads, layer.head_dim))
         backend.init_forward_metadata(real)  # planning stays outside the compiled region
-        with opaque.forward_context(real):
+        with holder.ctx.bind(holder.ctx.context_for(real)):  # what the op reads the batch from
             got = compiled(q, k, v).float()
         reference.init_forward_metadata(real)
         want = reference.forward(q, k, v, layer, real).float()

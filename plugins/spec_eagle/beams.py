@@ -71,8 +71,10 @@ def run_beam_steps(head, kv_pool, req_pool, beams: Beams, rows: torch.Tensor, sc
     next_id = 1 + topk  # root and the depth-1 nodes come first
     out_tokens, out_scores, out_parents = [], [], []
     for i, step in enumerate(steps):
-        batch = ForwardBatch(ForwardMode.DECODE, bs * topk, beams.tokens, step.positions, rows, step.seq_lens,
-                             step.seq_lens_cpu, step.out_cache_loc, req_pool, kv_pool)
+        batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs * topk, input_ids=beams.tokens,
+                             positions=step.positions, req_pool_indices=rows, seq_lens=step.seq_lens,
+                             seq_lens_cpu=step.seq_lens_cpu, out_cache_loc=step.out_cache_loc,
+                             req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
         with attention.step_pass(i, batch):
             features = head(beams.tokens, beams.features, step.positions, batch)  # [bs * topk, H]
         child_lp, child_tok = head.top_tokens(features, topk)  # [bs * topk, topk]

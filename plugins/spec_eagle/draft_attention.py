@@ -1,9 +1,9 @@
 """DraftAttention: which attention backend each forward of the draft head runs under.
 
 The draft extend has its backend and every beam step its own (a captured multi-step graph needs
-each step's own static buffers). A pass binds its backend on the head's ModelContext with
-`use_attention` for that one forward, so the context never keeps a pass's backend afterwards,
-also when the forward raises.
+each step's own static buffers). A pass binds a ForwardContext with its backend on the head's
+ModelContext for that one forward, so nothing of a pass stays bound afterwards, also when the
+forward raises.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class DraftAttention:
 
     @contextmanager
     def _bind(self, backend: AttentionBackend, batch: ForwardBatch) -> Iterator[None]:
-        with self.model_ctx.use_attention(backend):
+        with self.model_ctx.bind(self.model_ctx.context_for(batch, attn_backend=backend)):
             if self.plan:
                 backend.init_forward_metadata(batch)
             yield

@@ -121,9 +121,11 @@ class WindowInputs:
     def extend_batch(self, pbs: int) -> ForwardBatch:
         """The DRAFT_EXTEND of `window` tokens a request (no extend lengths: uniform, causal)."""
         d, nt, mem = self.d, pbs * self.window, self.memory
-        return ForwardBatch(ForwardMode.DRAFT_EXTEND, pbs, d["ids"][:nt], d["positions"][:nt], d["ext_rows"][:pbs],
-                            d["ext_seq"][:pbs], self.ext_seq_cpu[:pbs].clone(), self.out_cache_loc[:nt],
-                            mem.req_pool, mem.kv_pool)
+        return ForwardBatch(forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=pbs, input_ids=d["ids"][:nt],
+                            positions=d["positions"][:nt], req_pool_indices=d["ext_rows"][:pbs],
+                            seq_lens=d["ext_seq"][:pbs], seq_lens_cpu=self.ext_seq_cpu[:pbs].clone(),
+                            out_cache_loc=self.out_cache_loc[:nt], req_to_token_pool=mem.req_pool,
+                            token_to_kv_pool=mem.kv_pool)
 
     def steps(self, pbs: int) -> list[StepInputs]:
         d, pn = self.d, pbs * self.topk
@@ -133,9 +135,11 @@ class WindowInputs:
     def step_batch(self, i: int, pbs: int) -> ForwardBatch:
         """Step i's DECODE batch as the attention backends see it (its tokens come from the beams)."""
         d, pn, mem = self.d, pbs * self.topk, self.memory
-        return ForwardBatch(ForwardMode.DECODE, pn, self.step_tokens[:pn], d["step_positions"][i, :pn], d["beam_rows"][:pn],
-                            d["step_seq"][i, :pn], self.step_seq_cpu[i, :pn].clone(), d["step_loc"][i, :pn],
-                            mem.req_pool, mem.kv_pool)
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=pn, input_ids=self.step_tokens[:pn],
+                            positions=d["step_positions"][i, :pn], req_pool_indices=d["beam_rows"][:pn],
+                            seq_lens=d["step_seq"][i, :pn], seq_lens_cpu=self.step_seq_cpu[i, :pn].clone(),
+                            out_cache_loc=d["step_loc"][i, :pn], req_to_token_pool=mem.req_pool,
+                            token_to_kv_pool=mem.kv_pool)
 
 
 def _flat(sizes: dict[str, int], dtype, device, pin: bool):

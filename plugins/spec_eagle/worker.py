@@ -100,8 +100,7 @@ class EagleWorker(SpecWorker):
     # -- prefill --------------------------------------------------------------------------------
 
     def forward_prefill(self, batch, reqs: list, chunks: list[int]):
-        batch.capture_hidden = True
-        output = self.runner.forward(batch)
+        output = self.runner.forward(batch, capture_hidden=True)
         offset = 0
         for req, n in zip(reqs, chunks):
             features = output.hidden_states[offset:offset + n]
@@ -225,9 +224,11 @@ class EagleWorker(SpecWorker):
 def _extend_batch(reqs, input_ids, positions, rows, starts, lens, slots, mem: DraftMemory) -> ForwardBatch:
     device = mem.device
     seq_cpu = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32)
-    batch = ForwardBatch(ForwardMode.DRAFT_EXTEND, len(reqs), torch.tensor(input_ids, device=device),
-                         positions.to(device), rows.to(device), seq_cpu.to(device), seq_cpu,
-                         slots.to(torch.int64), mem.req_pool, mem.kv_pool)
+    batch = ForwardBatch(forward_mode=ForwardMode.DRAFT_EXTEND, batch_size=len(reqs),
+                         input_ids=torch.tensor(input_ids, device=device), positions=positions.to(device),
+                         req_pool_indices=rows.to(device), seq_lens=seq_cpu.to(device), seq_lens_cpu=seq_cpu,
+                         out_cache_loc=slots.to(torch.int64), req_to_token_pool=mem.req_pool,
+                         token_to_kv_pool=mem.kv_pool)
     batch.set_extend_lens(starts, lens)
     return batch
 

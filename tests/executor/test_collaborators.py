@@ -10,10 +10,9 @@ import torch
 
 from backplane import Engine
 from backplane.distributed.driver import TPDriver
-from backplane.distributed.lora_sync import LoraSlotTable
-from backplane.engine.batch_builder import build_extend_batch
-from backplane.engine.request import Req
-from backplane.engine.sampling_params import SamplingParams
+from backplane.scheduler.batch_builder import build_extend_batch
+from backplane.scheduler.request import Req
+from backplane.scheduler.sampling_params import SamplingParams
 from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_runner import GraphRunner
 from backplane.contracts.graph import GraphKey, GraphParticipant
@@ -38,7 +37,8 @@ class Recorder:
         self.log = log
 
     def begin_forward(self, batch):
-        self.log.append(("begin_forward", batch.batch_size, batch.graph_key))
+        self.log.append(("begin_forward", batch.batch_size))
+        return {"recorder": ("eager", batch.batch_size)}
 
     def graph_participant(self):
         return GraphParticipant("recorder", "test contributor", ("decode",))
@@ -51,6 +51,7 @@ class Recorder:
 
     def prepare_graph_batch(self, batch, key, real=None):
         self.log.append(("prepare_graph_batch", key, None if real is None else real.batch_size))
+        return {"recorder": ("graph", key.batch_size)}
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,22 @@ def tiny_runner(plugin_set) -> ModelRunner:
 def decode_batch(runner: ModelRunner, bs: int) -> ForwardBatch:
     """A DECODE batch of `bs` requests at seq_len 1 (enough for the graph runner's keys and padding)."""
     ones = torch.ones(bs, dtype=torch.int32)
-    return ForwardBatch(ForwardMode.DECODE, bs, torch.zeros(bs, dtype=torch.int64), torch.zeros(bs, dtype=torch.int64),
-                        torch.arange(bs), ones, ones.clone(), torch.arange(1, bs + 1),
-                        runner.req_to_token_pool, runner.token_to_kv_pool)
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64),
+                        positions=torch.zeros(bs, dtype=torch.int64), req_pool_indices=torch.arange(bs), seq_lens=ones,
+                        seq_lens_cpu=ones.clone(), out_cache_loc=torch.arange(1, bs + 1),
+                        req_to_token_pool=runner.req_to_token_pool, token_to_kv_pool=runner.token_to_kv_pool)
+
+
+def record_model(runner: ModelRunner, log: list, monkeypatch) -> None:
+    """Make the model log what its bound ForwardContext holds when it runs."""
+    model_forward = runner.model.forward
+
+    def forward(batch):
+        bound = runner.model_ctx.forward
+        log.append(("model", batch.batch_size, bound.binding("recorder"), bound.graph_key))
+        return model_forward(batch)
+
+    monkeypatch.setattr(runner.model, "forward", forward)
 
 
 def test_a_contributor_keys_the_graphs_and_binds_capture_and_replay(plugin_set, monkeypatch):
@@ -87,8 +101,14 @@ def test_a_contributor_keys_the_graphs_and_binds_capture_and_replay(plugin_set, 
     assert graphs.key_for(decode_batch(runner, 3)) == GraphKey(ForwardMode.DECODE, 4, 1, (("parity", 1),))
     assert graphs.key_for(decode_batch(runner, 2)).extras == (("parity", 0),)
     key = GraphKey(ForwardMode.DECODE, 4, 1, (("parity", 1),))
-    graphs._capture_batch(key)
-    assert log == [("prepare_graph_batch", key, None)]
+    # Capture with a stand-in for torch.cuda.graph: the model runs once under the capture's context.
+    record_model(runner, log, monkeypatch)
+    monkeypatch.setattr(runner.attn_backend, "init_metadata_for_capture", lambda key, batch: None)
+    monkeypatch.setattr("backplane.executor.graph_runner.capture_graph", lambda fn, pool: (NoGraph(), fn()))
+    monkeypatch.setattr("backplane.executor.graph_runner.global_graph_pool", lambda: None)
+    graphs._capture_one(key)
+    assert log == [("prepare_graph_batch", key, None), ("model", 4, ("graph", 4), key)]
+    assert runner.model_ctx.forward is None  # nothing stays bound after the capture
     log.clear()
     # Replay with a stand-in for the captured graph: the contributor binds the real batch padded.
     monkeypatch.setattr(graphs.backend, "init_metadata_for_replay", lambda key, batch: None)
@@ -100,19 +120,14 @@ def test_a_contributor_keys_the_graphs_and_binds_capture_and_replay(plugin_set, 
 def test_the_runner_binds_every_contributor_before_the_model_runs(plugin_set, monkeypatch):
     runner, log = tiny_runner(plugin_set), []
     runner.add_contributor(Recorder(log))
-    model_forward = runner.model.forward
-
-    def forward(batch):
-        log.append(("model", batch.batch_size, batch.graph_key))
-        return model_forward(batch)
-
-    monkeypatch.setattr(runner.model, "forward", forward)
+    record_model(runner, log, monkeypatch)
     reqs = [Req(i, [5 + i, 7, 9], SamplingParams()) for i in range(2)]
     for req in reqs:
         req.row = runner.req_to_token_pool.alloc()
     batch = build_extend_batch(reqs, [3, 3], runner.token_to_kv_pool, runner.req_to_token_pool)
     runner.forward(batch)
-    assert log == [("begin_forward", 2, None), ("model", 2, None)]
+    assert log == [("begin_forward", 2), ("model", 2, ("eager", 2), None)]
+    assert runner.model_ctx.forward is None
 
 
 def test_registration_refuses_a_wrong_object_and_a_late_one(plugin_set):
@@ -128,7 +143,6 @@ def test_registration_refuses_a_wrong_object_and_a_late_one(plugin_set):
 def test_the_components_conform_to_their_protocols():
     assert issubclass(LoraManager, GraphContributor)
     assert issubclass(LoraManager, SchedulerParticipant)
-    assert issubclass(LoraManager, LoraSlotTable)
     assert issubclass(TPDriver, ForwardRouter)
     assert issubclass(Recorder, GraphContributor)
     # The checks can fail: a class missing one method is not a contributor.

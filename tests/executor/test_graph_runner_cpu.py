@@ -112,16 +112,18 @@ def test_padding_arithmetic():
     kv_pool = TokenToKVPool(64, 1, 1, 8, torch.float32, "cpu")
     static = StaticInputs.allocate(8, 8, "cpu")
     static.input_ids.fill_(-1)
-    batch = ForwardBatch(ForwardMode.DECODE, 3, torch.tensor([11, 12, 13]), torch.tensor([4, 9, 2]),
-                         torch.tensor([0, 2, 1]), torch.tensor([5, 10, 3], dtype=torch.int32),
-                         torch.tensor([5, 10, 3], dtype=torch.int32), torch.tensor([7, 8, 9]), req_pool, kv_pool)
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=3, input_ids=torch.tensor([11, 12, 13]),
+                         positions=torch.tensor([4, 9, 2]), req_pool_indices=torch.tensor([0, 2, 1]),
+                         seq_lens=torch.tensor([5, 10, 3], dtype=torch.int32),
+                         seq_lens_cpu=torch.tensor([5, 10, 3], dtype=torch.int32), out_cache_loc=torch.tensor([7, 8, 9]),
+                         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool)
     key = GraphKey(ForwardMode.DECODE, 4, 1)
     padded = pad_into(static, batch, key, pad_row=5, fill=1)
     assert padded.batch_size == 4 and padded.input_ids.tolist() == [11, 12, 13, 0]
     assert padded.req_pool_indices.tolist() == [0, 2, 1, 5]
     assert padded.seq_lens.tolist() == [5, 10, 3, 1] and padded.seq_lens_cpu.tolist() == [5, 10, 3, 1]
     assert padded.out_cache_loc.tolist() == [7, 8, 9, 0]  # the pad writes to the dump slot
-    assert padded.positions.tolist() == [4, 9, 2, 0] and padded.graph_key == key
+    assert padded.positions.tolist() == [4, 9, 2, 0] and padded.forward_mode is key.mode
 
 
 def test_cpu_runs_eager_and_says_so_once(caplog):
@@ -150,14 +152,12 @@ def test_logits_written_into_a_caller_buffer(softcap):
     head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)
     hidden = torch.randn(5, 16, dtype=torch.bfloat16)
     proc = LogitsProcessor(37, ParallelContext(), softcap)  # a padded vocabulary: 40 rows, 37 used
-    batch = SimpleNamespace(logits_indices=None, forward_mode=ForwardMode.DECODE, logits_out=None)
+    batch = SimpleNamespace(logits_indices=None, forward_mode=ForwardMode.DECODE)
     want = proc(hidden, head, batch)
     buffer = torch.full((8, 37), float("nan"))
-    batch.logits_out = buffer
-    got = proc(hidden, head, batch)
+    got = proc(hidden, head, batch, out=buffer)
     assert got.data_ptr() == buffer.data_ptr() and got.shape == (5, 37)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.isnan(buffer[5:]).all()  # rows past the batch untouched
-    batch.logits_out = torch.zeros(4, 37)
     with pytest.raises(ValueError, match="logits_out: expected an fp32 buffer of at least 5 rows of 37"):
-        proc(hidden, head, batch)
+        proc(hidden, head, batch, out=torch.zeros(4, 37))

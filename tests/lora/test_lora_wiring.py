@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backplane import Engine, SamplingParams
-from backplane.distributed.lora_sync import LoraSlotTable, pack_lora
+from backplane.contracts.lora_batch import LoraSegments
 from backplane.contracts.protocols import GraphContributor, SchedulerParticipant
 from lora_helpers import make_lora_world
 
@@ -31,7 +31,6 @@ def test_the_manager_is_a_contributor_and_the_model_has_no_hooks(world):
     engine = make_engine(world)
     manager = engine.lora_manager
     assert isinstance(manager, GraphContributor) and isinstance(manager, SchedulerParticipant)
-    assert isinstance(manager, LoraSlotTable)
     assert engine.runner.contributors == [manager]
     assert engine.scheduler.participants == [manager]
     assert manager.running_source is engine.scheduler
@@ -48,7 +47,8 @@ def test_every_model_call_runs_with_its_batch_bound(world, monkeypatch):
     model_forward = engine.runner.model.forward
 
     def forward(batch):
-        seen.append((batch.lora_info is not None, runtime.batch_info is batch.lora_info))
+        segments, bound = batch.plugin_inputs.get("lora"), engine.runner.model_ctx.forward.binding("lora")
+        seen.append((segments is not None, runtime.batch_info is bound and (bound is None) == (segments is None)))
         return model_forward(batch)
 
     monkeypatch.setattr(engine.runner.model, "forward", forward)
@@ -57,6 +57,7 @@ def test_every_model_call_runs_with_its_batch_bound(world, monkeypatch):
         assert out.error is None
     assert {with_lora for with_lora, _ in seen} == {True, False}
     assert all(bound for _, bound in seen), seen
+    assert runtime.batch_info is None  # nothing stays bound between forwards
 
 
 def test_running_requests_keep_their_adapters_loaded(world):
@@ -76,11 +77,21 @@ def test_running_requests_keep_their_adapters_loaded(world):
         manager.bind_running(object())
 
 
-def test_pack_lora_carries_the_resident_slots(world):
-    engine = make_engine(world)
+def test_a_batch_describes_its_segments_and_a_second_rank_mirrors_the_slots(world):
+    """prepare_batch puts host data in plugin_inputs (what tensor parallelism ships as it is); a
+    manager that did not choose the slots (a worker) loads them from that description."""
+    engine, worker = make_engine(world), make_engine(world)
     manager = engine.lora_manager
-    slots = manager.acquire(["kogu_r2", None])
-    batch = SimpleNamespace(lora_info=manager.info.update_([3, 1], slots))
-    msg = pack_lora(manager, batch)
-    assert msg.slot_of == {"kogu_r2": slots[0]} and msg.slots == slots and msg.seg_lens == [3, 1]
-    assert pack_lora(manager, SimpleNamespace(lora_info=None)) is None
+    reqs = [SimpleNamespace(lora="kogu_r2"), SimpleNamespace(lora=None)]
+    batch = SimpleNamespace(plugin_inputs={}, extend_seq_lens_cpu=torch.tensor([3, 1]), tokens_per_request=2)
+    manager.prepare_batch(batch, reqs)
+    segments = batch.plugin_inputs["lora"]
+    slot = manager.resident_slots()["kogu_r2"]
+    assert segments == LoraSegments((3, 1), (slot, 0), (("kogu_r2", slot),))
+    binding = worker.lora_manager.begin_forward(batch)["lora"]
+    assert worker.lora_manager.mirrored == {slot: "kogu_r2"}
+    assert binding.seg_lens_cpu[:2].tolist() == [3, 1] and binding.weight_indices_cpu[:2].tolist() == [slot, 0]
+    for mine, theirs in zip(manager.layers, worker.lora_manager.layers):
+        torch.testing.assert_close(theirs.lora_b[slot], mine.lora_b[slot])
+    manager.prepare_batch(batch, [SimpleNamespace(lora=None)] * 2)
+    assert "lora" not in batch.plugin_inputs and worker.lora_manager.begin_forward(batch) == {"lora": None}

@@ -103,8 +103,8 @@ def test_capture_hidden_matches_transformers_last_hidden_state(saved):
     model = load_ours(path)
     prompt = random_prompts(2, hf.config.vocab_size)[2]
     builder = BatchBuilder.for_model(model)
-    batch = builder.extend([builder.add_request()], [prompt], capture_hidden=True)
-    with torch.no_grad():
+    batch = builder.extend([builder.add_request()], [prompt])
+    with torch.no_grad(), model.ctx.bind(model.ctx.context_for(batch, capture_hidden=True)):
         out = model(batch)
         expected = hf.model(torch.tensor([prompt])).last_hidden_state[0]
     assert out.hidden_states.shape == (len(prompt), hf.config.hidden_size)

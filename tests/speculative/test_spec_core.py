@@ -130,8 +130,8 @@ def test_padded_verify_view_gives_the_same_logits():
     static = StaticInputs.allocate(8, 8 * 5, "cpu", mask_size=8 * 5 * runner.req_to_token_pool.max_context_len)
     checked = []
 
-    def forward(batch):
-        out = runner.forward_eager(batch)
+    def forward(batch, capture_hidden=False):
+        out = runner.forward_eager(batch, capture_hidden=capture_hidden)
         if batch.forward_mode is ForwardMode.TARGET_VERIFY:
             key = GraphKey(ForwardMode.TARGET_VERIFY, batch.batch_size + 3, 5)
             padded = pad_into(static, batch, key, runner.req_to_token_pool.size - 1, fill=5)

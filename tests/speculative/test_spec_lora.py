@@ -67,9 +67,8 @@ def test_spec_with_lora_equals_plain_lora(world, algorithm, lora_backend):
     def spy(batch, reqs):
         original(batch, reqs)
         if batch.forward_mode.value == "target_verify":
-            info = batch.lora_info
-            verify_segments.append((info.seg_lens_cpu[: info.bs].tolist(), info.weight_indices_cpu[: info.bs].tolist(),
-                                    [r.lora for r in reqs]))
+            segments = batch.plugin_inputs["lora"]
+            verify_segments.append((list(segments.seg_lens), list(segments.slots), [r.lora for r in reqs]))
 
     spec.lora_manager.prepare_batch = spy
     got = _generate(spec, max_new)

@@ -7,6 +7,7 @@
    unfolded layer's (q/k/v, gate/up, a single projection, with a bias, base-only and mixed slots).
 """
 
+import contextlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere: run kernels on CPU
@@ -15,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from backplane.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
+from backplane.contracts.forward_context import ForwardContext, ForwardSlot  # noqa: E402
 from backplane.contracts.lora import LoraBackendContext  # noqa: E402
 from backplane.contracts.lora_batch import LoraBatchInfo  # noqa: E402
 from backplane.lora.layers import LoraRuntime, wrap_model  # noqa: E402
@@ -106,7 +108,7 @@ def make_model(backend, bias: bool, seed: int = 0):
     model.layers = torch.nn.ModuleList([Block(bias)])
     for p in model.parameters():
         p.data.normal_()
-    runtime = LoraRuntime(backend)
+    runtime = LoraRuntime(backend, ForwardSlot())
     wrappers = wrap_model(model, runtime, NUM_SLOTS, R_MAX)
     gen = torch.Generator().manual_seed(seed + 1)
     for layer in wrappers:  # the same random adapters in every slot but 0, each zero past its rank
@@ -137,16 +139,18 @@ def test_folded_layers_equal_unfolded_ones(bias, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     for slots in ([1, 0, 2, 3, 3], [0, 0], [2]):
         x = torch.randn(len(slots), K, generator=gen)
-        for rt in (plain_rt, folded_rt):
-            rt.batch_info = info_for(slots)
-            rt.backend.prepare_batch(rt.batch_info)
-        for name, layer in folded.items():
-            inputs = x if layer.lora_a.shape[2] == K else torch.randn(len(slots), 48, generator=gen)
-            calls.clear()
-            got = layer(inputs)
-            assert calls == [layer.w_ext.shape[0]], "a folded pass is one GEMM over [W; A]"
-            torch.testing.assert_close(got, plain[name](inputs), atol=1e-4, rtol=1e-4)
-    folded_rt.batch_info = None  # LoRA off: the base layer alone, over the view of W
+        with contextlib.ExitStack() as bound:
+            for rt in (plain_rt, folded_rt):  # each model's forward binds its LoRA info
+                info = info_for(slots)
+                rt.backend.prepare_batch(info)
+                bound.enter_context(rt.forward_slot.enter(ForwardContext(None, None, None, {"lora": info})))
+            for name, layer in folded.items():
+                inputs = x if layer.lora_a.shape[2] == K else torch.randn(len(slots), 48, generator=gen)
+                calls.clear()
+                got = layer(inputs)
+                assert calls == [layer.w_ext.shape[0]], "a folded pass is one GEMM over [W; A]"
+                torch.testing.assert_close(got, plain[name](inputs), atol=1e-4, rtol=1e-4)
+    assert folded_rt.batch_info is None  # LoRA off (nothing bound): the base layer alone, over the view of W
     x = torch.randn(3, K, generator=gen)
     torch.testing.assert_close(folded["q_proj"](x), plain["q_proj"].base_layer(x))
 
