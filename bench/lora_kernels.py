@@ -1,200 +1,234 @@
-"""Benchmark of the Triton LoRA kernels on the decode shape of Llama-3.2-1B (GPU only).
+"""The LoRA kernels of one layer at decode sizes against their read floor (the bytes of the batch's
+adapters' A and B at the card's copy bandwidth): the fused shrink-and-expand kernel (warm and L2-cold,
+with the tuned table and with the read model's launches), the segmented kernels, and the folded
+path's LoRA share (its GEMM over [W; A] and the expand, less the base GEMM, cold). Each result is
+checked against torch_native first: a fast wrong kernel is no result. --tune times every launch
+setting of the fused kernel instead and writes the fastest as the plugin's tuned table.
 
-Per layer: shrink + expand of the fused q,k,v, o, the fused gate,up and down projections, for T=32
-tokens on 8 distinct rank-16 adapters (4 requests each), timed inside CUDA graphs (median over
-replays, CUDA events), against the bandwidth floor of reading those adapters' A and B and against the
-base GEMMs of the same projections at T=32. Also sweeps a few launch settings.
+Shapes from a model preset; bf16 on CUDA, float32 on CPU (TRITON_INTERPRET=1: the code path only).
 
-    python bench/lora_kernels.py --out lora_kernels.json
+    python -m bench.lora_kernels --model llama-3.2-1b --ranks 16 64 --tokens 1 8 32 64
+    python -m bench.lora_kernels --tune lora_triton_configs.json     # then copy to plugins/lora_triton/configs/<GPU>.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import dataclasses
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from backplane.lora.base import LoraBackendContext
-from backplane.lora.batch_info import LoraBatchInfo
-from backplane.lora.torch_native import TorchNativeLoraBackend
+from bench import report
+from bench.timing import peak_bytes_per_s, time_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import peak_bytes_per_s, time_graph  # noqa: E402  (bench/timing.py)
-
-HIDDEN, INTER, N_Q, N_KV = 2048, 8192, 32 * 64, 8 * 64
-NUM_LAYERS = 16
-DEVICE, DTYPE = "cuda", torch.bfloat16
-# name: (K, output widths of the slices)
-PROJECTIONS = {
-    "qkv": (HIDDEN, (N_Q, N_KV, N_KV)),
-    "o": (HIDDEN, (HIDDEN,)),
-    "gate_up": (HIDDEN, (INTER, INTER)),
-    "down": (INTER, (HIDDEN,)),
-}
+TARGET_VS_FLOOR = 4.0
+COLUMNS = [("T", "tokens", "d"), ("rank", "rank", "d"), ("fused", "fused_us", ".2f"), ("cold", "fused_cold_us", ".2f"),
+           ("read model", "fused_automatic_us", ".2f"), ("segmented", "segmented_us", ".2f"),
+           ("cold", "segmented_cold_us", ".2f"), ("floor", "floor_us", ".2f"), ("fused/floor", "fused_vs_floor", ".1f"),
+           ("folded", "folded_cold_us", ".2f"), ("folded/floor", "folded_vs_floor", ".1f")]
 
 
-@dataclass
-class Row:
-    projection: str
-    layout: str
-    tuning: str
-    lora_us: float
-    floor_us: float
-    base_gemm_us: float
+def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
+    """name -> (K, output widths of the slices) of the four projection groups of a preset."""
+    from backplane.models.config_utils import head_dim_of, num_kv_heads_of
+    from backplane.models.presets import get_preset
+
+    c = get_preset(model)
+    q, kv = c.num_attention_heads * head_dim_of(c), num_kv_heads_of(c) * head_dim_of(c)
+    return {"qkv": (c.hidden_size, [q, kv, kv]), "o": (q, [c.hidden_size]),
+            "gate_up": (c.hidden_size, [c.intermediate_size] * 2), "down": (c.intermediate_size, [c.hidden_size])}
 
 
-def make_batch(num_adapters: int, per_adapter: int, layout: str, rank: int) -> LoraBatchInfo:
-    """Decode batch: one token per request; `interleaved` alternates adapters, `grouped` sorts them."""
-    slots = [1 + i % num_adapters for i in range(num_adapters * per_adapter)]
-    if layout == "grouped":
-        slots.sort()
-    ranks = [0] + [rank] * num_adapters
-    scalings = [0.0] + [2.0] * num_adapters
-    return LoraBatchInfo.from_segments([1] * len(slots), slots, ranks, scalings, DEVICE)
+class Group:
+    """One projection group's stacked weights (every slot at `rank`, slot 0 empty), input and output."""
 
-
-class Projection:
-    """Weights, inputs and the LoRA call of one projection."""
-
-    def __init__(self, name: str, num_tokens: int, num_slots: int, rank: int) -> None:
-        k, widths = PROJECTIONS[name]
-        self.name, self.num_slices, self.n = name, len(widths), sum(widths)
+    def __init__(self, k: int, widths: list[int], tokens: int, num_slots: int, rank: int, device, dtype):
         self.offsets = [0]
         for width in widths:
             self.offsets.append(self.offsets[-1] + width)
-        dt = dict(device=DEVICE, dtype=DTYPE)
-        self.x = torch.randn(num_tokens, k, **dt)
-        self.a = torch.randn(num_slots, self.num_slices * rank, k, **dt) / k**0.5
-        self.b = torch.randn(num_slots, self.n, rank, **dt) / rank**0.5
-        self.w = torch.randn(self.n, k, **dt) / k**0.5  # the base weight
-        self.out = torch.empty(num_tokens, self.n, **dt)
+        dt = dict(device=device, dtype=dtype)
+        self.x = torch.randn(tokens, k, **dt)
+        self.a = torch.randn(num_slots, len(widths) * rank, k, **dt) / k**0.5
+        self.b = torch.randn(num_slots, self.offsets[-1], rank, **dt) / rank**0.5
+        self.a[0], self.b[0] = 0, 0
+        self.out = torch.zeros(tokens, self.offsets[-1], **dt)
+        # the folded path's buffer [W; A] (--triton-lora.decode-path folded), with a random base weight
+        self.w_ext = torch.cat([torch.randn(self.offsets[-1], k, **dt) / k**0.5, self.a.reshape(-1, k)])
 
     def lora(self, backend) -> torch.Tensor:
-        y = backend.lora_a(self.x, self.a, self.num_slices)
-        if self.name == "qkv":
-            return backend.qkv_lora_b(y, self.b, self.offsets, self.out)
-        if self.name == "gate_up":
-            return backend.gate_up_lora_b(y, self.b, self.out)
-        return backend.lora_b(y, self.b, self.out)
+        return backend.apply_lora(self.x, self.a, self.b, self.offsets, self.out)
 
     def base(self) -> torch.Tensor:
-        return torch.matmul(self.x, self.w.T, out=self.out)
+        return torch.nn.functional.linear(self.x, self.w_ext[: self.offsets[-1]])
 
-    def floor_us(self, num_adapters: int) -> float:
-        """Reading A and B of the adapters in the batch once, at the measured peak bandwidth."""
-        weight_bytes = (self.a[0].numel() + self.b[0].numel()) * self.a.element_size() * num_adapters
-        return weight_bytes / peak_bytes_per_s() * 1e6
+    def folded(self, backend) -> torch.Tensor:
+        """The folded path: the GEMM over [W; A], then the backend's expand into a fresh output."""
+        y = torch.nn.functional.linear(self.x, self.w_ext)
+        return backend.expand_folded(y, self.offsets[-1], self.b, self.offsets, torch.empty_like(self.out))
+
+    def bytes_per_adapter(self) -> int:
+        return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
 
 
-def check_against_reference(proj: Projection, backend, info: LoraBatchInfo, ctx) -> None:
+def _setup(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device):
+    """(batch info, backend context, groups, distinct adapters) of a decode batch: token i on adapter i mod N."""
+    from backplane.lora.base import LoraBackendContext
+    from backplane.lora.batch_info import LoraBatchInfo
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    slots = [1 + i % num_adapters for i in range(tokens)]
+    info = LoraBatchInfo.from_segments([1] * tokens, slots, [0] + [rank] * num_adapters,
+                                       [0.0] + [2.0] * num_adapters, device)
+    ctx = LoraBackendContext(device=device, dtype=dtype, max_loras_per_batch=num_adapters, max_lora_rank=rank,
+                             max_bs=tokens, max_num_tokens=max(tokens, 256))
+    groups = {name: Group(k, widths, tokens, num_adapters + 1, rank, device, dtype)
+              for name, (k, widths) in group_shapes(model).items()}
+    return info, ctx, groups, len(set(slots))
+
+
+def _backend(ctx, info, configs: str | None = None, use_table: bool = True, **tuning):
+    """A triton backend prepared for `info`; use_table=False ignores the tuned table (the read model decides)."""
+    from backplane.plugins.lora_triton.backend import TritonLoraBackend, Tuning
+    from backplane.plugins.lora_triton.options import TritonLoraOptions
+
+    options = TritonLoraOptions(configs=configs, tuned=use_table)
+    backend = TritonLoraBackend(dataclasses.replace(ctx, options=options), Tuning(**tuning))
+    backend.prepare_batch(info)
+    return backend
+
+
+def _reference(group: Group, ctx, info) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base output, torch_native's LoRA on it)."""
+    from backplane.lora.torch_native import TorchNativeLoraBackend
+
     native = TorchNativeLoraBackend(ctx)
     native.prepare_batch(info)
-    base = torch.randn_like(proj.out)
-    proj.out.copy_(base)
-    expected = proj.lora(native).clone()
-    proj.out.copy_(base)
-    actual = proj.lora(backend)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=5e-2, rtol=2e-2)
+    base = torch.randn_like(group.out)
+    group.out.copy_(base)
+    return base, group.lora(native).float().clone()
 
 
-def tunings():
-    from backplane.plugins.lora_triton.backend import Tuning
-
-    yield "auto", Tuning()
-    for split_k in (1, 4, 8, 16):
-        yield f"split_k={split_k}", Tuning(shrink_split_k=split_k)
-    for block_n in (32, 128, 256):
-        yield f"expand_block_n={block_n}", Tuning(expand_block_n=block_n)
+def _check_against(group: Group, backend, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
+    base, want = reference
+    group.out.copy_(base)
+    torch.testing.assert_close(group.lora(backend).float(), want, atol=5e-2, rtol=2e-2)
 
 
-def run(args) -> dict:
-    from backplane.plugins.lora_triton.backend import TritonLoraBackend
+def _check_folded(group: Group, backend, ctx, info) -> None:
+    """The folded path's output against the base GEMM plus torch_native's LoRA (bf16 tolerance)."""
+    from backplane.lora.torch_native import TorchNativeLoraBackend
 
-    num_tokens, num_slots = args.adapters * args.per_adapter, args.adapters + 1
-    ctx = LoraBackendContext(
-        device=torch.device(DEVICE), dtype=DTYPE, max_loras_per_batch=args.adapters,
-        max_lora_rank=args.rank, max_bs=num_tokens, max_num_tokens=max(num_tokens, 256),
-    )  # fmt: skip
-    projections = {name: Projection(name, num_tokens, num_slots, args.rank) for name in PROJECTIONS}
-    base_us = {name: time_graph(p.base) for name, p in projections.items()}
-    rows: list[Row] = []
-    layer_us = {"base": time_graph(lambda: [p.base() for p in projections.values()])}
-    for layout in ("interleaved", "grouped"):
-        info = make_batch(args.adapters, args.per_adapter, layout, args.rank)
-        backend = TritonLoraBackend(ctx)
-        backend.prepare_batch(info)
-        layer_us[f"base+lora {layout}"] = time_graph(
-            lambda b=backend: [(p.base(), p.lora(b)) for p in projections.values()]
-        )
-        for tuning_name, tuning in tunings():
-            backend = TritonLoraBackend(ctx, tuning)
-            backend.prepare_batch(info)
-            for name, proj in projections.items():
-                check_against_reference(proj, backend, info, ctx)
-                lora_us = time_graph(lambda p=proj, b=backend: p.lora(b))
-                rows.append(Row(name, layout, tuning_name, lora_us, proj.floor_us(args.adapters), base_us[name]))
-    return {**summarize(rows), "layer_us": layer_us}
+    native = TorchNativeLoraBackend(ctx)
+    native.prepare_batch(info)
+    want = native.apply_lora(group.x, group.a, group.b, group.offsets, group.base().clone()).float()
+    torch.testing.assert_close(group.folded(backend).float(), want, atol=5e-2, rtol=2e-2)
 
 
-def summarize(rows: list[Row]) -> dict:
-    """Per layout and tuning: the per-layer LoRA total and its ratio to the base GEMMs."""
-    layers = {}
-    for row in rows:
-        empty = {"lora_us": 0.0, "floor_us": 0.0, "base_gemm_us": 0.0}
-        entry = layers.setdefault((row.layout, row.tuning), empty)
-        entry["lora_us"] += row.lora_us
-        entry["floor_us"] += row.floor_us
-        entry["base_gemm_us"] += row.base_gemm_us
-    per_layer = [
-        {"layout": layout, "tuning": tuning, **entry, "lora_all_layers_ms": entry["lora_us"] * NUM_LAYERS / 1000}
-        for (layout, tuning), entry in layers.items()
-    ]
-    return {"rows": [asdict(row) for row in rows], "per_layer": per_layer}
+def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device,
+                  configs: str | None = None) -> dict:
+    """One layer's LoRA at `tokens` decode tokens, per group and in total, in µs."""
+    info, ctx, groups, distinct = _setup(model, rank, tokens, num_adapters, device)
+    fused, segmented = _backend(ctx, info, configs), _backend(ctx, info, configs, fused_max_tokens=0)
+    automatic = _backend(ctx, info, use_table=False)
+    per_group = {}
+    for name, g in groups.items():
+        _check_against(g, fused, _reference(g, ctx, info))
+        _check_folded(g, fused, ctx, info)
+        base_cold = time_us(g.base, device, cold=True)
+        per_group[name] = {
+            "fused_us": time_us(lambda g=g: g.lora(fused), device),
+            "fused_cold_us": time_us(lambda g=g: g.lora(fused), device, cold=True),
+            "fused_automatic_us": time_us(lambda g=g: g.lora(automatic), device),
+            "segmented_us": time_us(lambda g=g: g.lora(segmented), device),
+            "segmented_cold_us": time_us(lambda g=g: g.lora(segmented), device, cold=True),
+            "folded_cold_us": time_us(lambda g=g: g.folded(fused), device, cold=True) - base_cold,
+            "base_gemm_cold_us": base_cold, "tuned": len(fused.tuned) > 0,
+            "floor_us": g.bytes_per_adapter() * distinct / peak_bytes_per_s(device.type) * 1e6}
+    totals = {k: sum(g[k] for g in per_group.values()) for k in per_group["qkv"] if k != "tuned"}
+    # the cold figures against the floor: the floor reads from HBM, as a model step's LoRA kernels do
+    return {"rank": rank, "tokens": tokens, "distinct_adapters": distinct, **totals, "groups": per_group,
+            "fused_vs_floor": totals["fused_cold_us"] / totals["floor_us"],
+            "folded_vs_floor": totals["folded_cold_us"] / totals["floor_us"]}
 
 
-def print_table(result: dict) -> None:
-    print(f"{'projection':<10} {'layout':<12} {'tuning':<18} {'lora us':>8} {'floor us':>9} {'base us':>8}")
-    for row in result["rows"]:
-        print(
-            f"{row['projection']:<10} {row['layout']:<12} {row['tuning']:<18} {row['lora_us']:8.2f} "
-            f"{row['floor_us']:9.2f} {row['base_gemm_us']:8.2f}"
-        )
-    print(f"\nper layer ({NUM_LAYERS} layers):")
-    print(
-        f"{'layout':<12} {'tuning':<18} {'lora us':>8} {'floor us':>9} {'base us':>8} {'lora/base':>9} "
-        f"{'16 layers ms':>12}"
-    )
-    for entry in result["per_layer"]:
-        print(
-            f"{entry['layout']:<12} {entry['tuning']:<18} {entry['lora_us']:8.2f} {entry['floor_us']:9.2f} "
-            f"{entry['base_gemm_us']:8.2f} {entry['lora_us'] / entry['base_gemm_us']:9.2f} "
-            f"{entry['lora_all_layers_ms']:12.3f}"
-        )
-    print("\none layer's four projections in one graph (auto tuning):")
-    base = result["layer_us"]["base"]
-    for name, us in result["layer_us"].items():
-        print(f"  {name:<24} {us:8.2f} us  x{us / base:.3f} of the base GEMMs")
+def tune_fused(model: str, ranks: list[int], token_counts: list[int], num_adapters: int, device: torch.device,
+               spans=(128, 256, 512, 1024, 2048), splits=(1, 2, 4, 8, 16), warps=(2, 4, 8)) -> dict:
+    """Every launch setting the fused kernel's buffers allow, per projection group, rank and token
+    count, each checked against torch_native and timed L2-cold (a latency-bound kernel ranks
+    differently on warm L2); the fastest kept. Returns the tuned table (plugins/lora_triton/tuned.py's
+    JSON), the automatic setting's time beside each entry."""
+    import triton
+
+    from backplane.plugins.lora_triton.fused import MAX_GROUPS, MIN_SPLIT_K, FusedConfig, tile_sizes
+
+    entries = []
+    for rank in ranks:
+        for tokens in token_counts:
+            info, ctx, groups, _ = _setup(model, rank, tokens, num_adapters, device)
+            auto = _backend(ctx, info, fused_config=FusedConfig(), use_table=False)
+            for name, group in groups.items():
+                k, widths = group.x.shape[1], [hi - lo for lo, hi in zip(group.offsets, group.offsets[1:])]
+                want, best = _reference(group, ctx, info), None
+                for split_k in splits:
+                    if split_k > 1 and k // split_k < MIN_SPLIT_K:
+                        continue
+                    for span in spans:
+                        if split_k > 1 and split_k * sum(triton.cdiv(w, span) for w in widths) > MAX_GROUPS:
+                            continue
+                        for num_warps in warps:
+                            config = FusedConfig(span=span, split_k=split_k, num_warps=num_warps)
+                            backend = _backend(ctx, info, fused_config=config)
+                            _check_against(group, backend, want)
+                            us = time_us(lambda g=group, b=backend: g.lora(b), device, cold=True)
+                            best = (us, config) if best is None or us < best[0] else best
+                auto_us = time_us(lambda g=group, b=auto: g.lora(b), device, cold=True)
+                (us, config), (block_t, block_r) = best, tile_sizes(tokens, rank)
+                entries.append({"group": name, "tokens": tokens, "rank": rank, "k": k, "widths": widths,
+                                "block_r": block_r, "block_t": block_t, "span": config.span, "split_k": config.split_k,
+                                "num_warps": config.num_warps, "us": us, "automatic_us": auto_us})
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "triton": triton.__version__,
+            "dtype": str(groups["qkv"].x.dtype).removeprefix("torch."), "model": model, "adapters": num_adapters,
+            "entries": _one_per_bucket(entries)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--adapters", type=int, default=8, help="distinct adapters in the batch")
-    parser.add_argument("--per-adapter", type=int, default=4, help="decode requests per adapter")
-    parser.add_argument("--rank", type=int, default=16, help="LoRA rank (= R_max)")
-    parser.add_argument("--out", default="lora_kernels.json", help="where to write the JSON results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/lora_kernels.py needs a CUDA GPU")
+def _one_per_bucket(entries: list[dict]) -> list[dict]:
+    """Token counts that pad to one block_t share a table entry: keep the one measured at the most
+    tokens (the bucket's worst case)."""
+    kept: dict[tuple, dict] = {}
+    for e in entries:
+        key = (e["k"], tuple(e["widths"]), e["block_r"], e["block_t"])
+        if key not in kept or e["tokens"] > kept[key]["tokens"]:
+            kept[key] = e
+    return list(kept.values())
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--configs", metavar="TABLE.json", help="the tuned table to time with (default: the plugin's for this GPU)")
+    p.add_argument("--tune", metavar="TABLE.json", help="first tune the fused kernel at --ranks x --tokens, write the "
+                                                        "table here, then time the kernels with it")
+    report.add_output_args(p)
+    ns = p.parse_args(argv)
+    device = torch.device(ns.device)
     torch.manual_seed(0)
-    result = {"args": vars(args), "device": torch.cuda.get_device_name(), **run(args)}
-    print_table(result)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwrote {args.out}")
+    if ns.tune:
+        Path(ns.tune).write_text(json.dumps(tune_fused(ns.model, ns.ranks, sorted(ns.tokens), ns.adapters, device), indent=1))
+        ns.configs = ns.tune
+    rows = [kernel_report(ns.model, r, t, ns.adapters, device, ns.configs) for r in ns.ranks for t in ns.tokens]
+    for row in rows:
+        row["verdict"] = f"fused {report.verdict(row['fused_vs_floor'], TARGET_VS_FLOOR)}, " \
+                         f"folded {report.verdict(row['folded_vs_floor'], TARGET_VS_FLOOR)} (<= {TARGET_VS_FLOOR}x floor)"
+    path = report.write_result("kernels-lora", ns.model, {"args": vars(ns), "rows": rows}, ns.out, ns.device)
+    print(f"wrote {path}")
+    print(report.table(rows, COLUMNS + [("verdict", "verdict", "")], f"{ns.model}: one layer's LoRA, µs"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,32 +1,21 @@
 """HTTP serving: `backplane serve` under Poisson arrivals at several request rates, against the
 offline Engine on the same requests.
 
-    python bench/serving.py --model llama-3.2-1b --out $OUT/serving.json -- --attention-backend triton
-    python bench/serving.py --model tiny-llama --device cpu --num-prompts 6 --request-rates 4,inf \
+    python -m bench.serving --model llama-3.2-1b -- --attention-backend triton
+    python -m bench.serving --model tiny-llama --device cpu --num-prompts 6 --request-rates 4,inf \
         --max-input-len 32 --max-output-len 8 -- --attention-backend torch_native   # a smoke run on CPU
 
-Everything after `--` is engine flags, given both to `backplane serve` and to the offline Engine.
-The server runs its engine in a process of its own; BACKPLANE_ENGINE_IN_THREAD=1 in the
-environment measures the thread mode (`--engine-in-thread`) instead.
+Everything after `--` is engine flags, for both `backplane serve` and the offline Engine (the
+server runs its engine in a process of its own; BACKPLANE_ENGINE_IN_THREAD=1 measures --engine-in-thread).
 
-Workload: --num-prompts requests with sharegpt-like lengths (bench/e2e.py's seeded log-normal
-draw, clamped to --max-input-len / --max-output-len), random token-id prompts, greedy, with
-`ignore_eos`, so every request generates exactly the tokens it asks for, over HTTP and offline.
-At a finite rate the run sends the first min(--num-prompts, rate x --max-duration) requests (at
-least 8) at Poisson times; at `inf` it sends every request at once. Each is one streamed
-completion (bench/serving_client.py defines TTFT, ITL and E2E); per rate the report gives their
-p50 and p99 and the output tokens/s.
-
-Then the offline Engine, built with the same flags after the server has stopped, runs every
-request at once (the `inf` workload), and a prefill probe times generate() of one request of the
-lowest rate's median input length with one output token (median of --probes distinct prompts).
-Targets (issue 21, llama-3.2-1b on the GPU): saturation (HTTP tok/s at `inf` / offline tok/s)
->= 0.9, and the lowest rate's TTFT p50 <= 1.5 x (prefill probe + 5 ms).
-
---base-url targets a server already running (on the same GPU the offline Engine then competes for
-its memory: lower that server's --mem-fraction-static, or pass --no-offline). JSON to --out, a PNG
-to --plot (default: --out with .png; skipped with a note when matplotlib is missing), a table last.
---replot REPORT.json redraws a stored report's plot (and table) where matplotlib is installed.
+Workload: --num-prompts sharegpt-like requests (bench/workload.py, clamped to --max-input-len /
+--max-output-len), random token ids, greedy, ignore_eos. A finite rate sends the first
+min(--num-prompts, rate x --max-duration) requests (at least 8) at Poisson times, `inf` all at once;
+each is one streamed completion (bench/serving_client.py defines TTFT, ITL and E2E, reported at p50
+and p99 with output tokens/s). Then the offline Engine runs the `inf` requests at once, and a prefill
+probe times one request of the lowest rate's median input length with one output token.
+Targets (issue 21, llama-3.2-1b): HTTP tok/s at `inf` >= 0.9 x offline; the lowest rate's TTFT p50
+<= 1.5 x (prefill probe + 5 ms).
 """
 
 from __future__ import annotations
@@ -35,18 +24,17 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import prompts_for  # noqa: E402  (bench/e2e.py)
-from serving_client import Workload, line_of, make_workload, rate_name, run_rate, summarize  # noqa: E402
+from bench import report
+from bench.e2e import timed_run
+from bench.serving_client import Workload, line_of, make_workload, rate_name, run_rate, summarize
+from bench.workload import prompts
 
 CLIENT_DEPENDENCIES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 MIN_REQUESTS_PER_RATE = 8
@@ -61,7 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 usage="%(prog)s [options] [-- engine flags for serve and the offline Engine]")
     p.add_argument("--model", default="llama-3.2-1b", help="preset or model directory")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--base-url", default=None, help="a running server (default: start one on a free port)")
     p.add_argument("--request-rates", default="1,4,16,inf", help="requests/s, comma-separated; inf: all at once")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-duration", type=float, default=30.0, help="seconds of arrivals at a finite rate")
@@ -72,10 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probes", type=int, default=5, help="prefill probes on the offline Engine")
     p.add_argument("--no-offline", action="store_true", help="skip the offline Engine and the prefill probe")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--out", default=None, help="JSON report")
-    p.add_argument("--plot", default=None, help="PNG (default: --out with .png)")
-    p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only draw the plot and print the table of a stored report (no server, no GPU)")
+    report.add_output_args(p)
     ns = p.parse_args(argv)
     ns.engine_args = engine_args
     ns.rates = [float(r) for r in ns.request_rates.split(",")]
@@ -104,7 +88,6 @@ def requests_at(rate: float, ns: argparse.Namespace) -> int:
     return min(ns.num_prompts, max(MIN_REQUESTS_PER_RATE, math.ceil(rate * ns.max_duration)))
 
 
-# -- the server -----------------------------------------------------------------------------------
 
 def free_port() -> int:
     import socket
@@ -159,7 +142,6 @@ class ServerProcess:
         return code
 
 
-# -- the HTTP runs ---------------------------------------------------------------------------------
 
 def workloads(ns: argparse.Namespace, vocab: int) -> tuple[Workload, dict[str, Workload]]:
     """The warm-up (4 output tokens each) and one workload per rate; `inf` is the full one, which the
@@ -191,59 +173,40 @@ async def run_http(url: str, warmup: Workload, per_rate: dict[str, Workload], ns
         return rows
 
 
-# -- the offline Engine ---------------------------------------------------------------------------
 
 def run_offline(engine_argv: list[str], warmup: Workload, work: Workload, probe_len: int,
                 ns: argparse.Namespace) -> dict:
     """Every request at once through Engine.generate, then the prefill probe, on one engine."""
-    import torch
-
     from backplane import Engine, SamplingParams
     from backplane.cli import parse_server_args
     from backplane.plugin.manager import load_plugins
 
     plugin_set = load_plugins()
     engine = Engine(server_args=parse_server_args(engine_argv, plugin_set), plugin_set=plugin_set)
-    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
 
     def params(w: Workload) -> list[SamplingParams]:
         return [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in w.output_lens]
 
     if len(warmup):
         engine.generate(input_ids=warmup.prompts, sampling_params=params(warmup))
-    sync()
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=work.prompts, sampling_params=params(work))
-    sync()
-    elapsed = time.perf_counter() - start
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"offline: {len(errors)} requests failed, first: {errors[0]}")
+    elapsed, outs, _ = timed_run(engine, work.prompts, params(work))
     num_out = sum(len(o.token_ids) for o in outs)
     row = {"requests": len(outs), "seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed,
            "backends": engine.backends, "outputs": [o.token_ids for o in outs],
-           "prefill_probe": prefill_probe(engine, probe_len, ns, sync)}
+           "prefill_probe": prefill_probe(engine, probe_len, ns)}
     engine.shutdown()
     return row
 
 
-def prefill_probe(engine, probe_len: int, ns: argparse.Namespace, sync) -> dict:
-    """Median wall time of generate() with one output token, over distinct prompts of `probe_len`."""
-    from backplane import SamplingParams
+def prefill_probe(engine, probe_len: int, ns: argparse.Namespace) -> dict:
+    """Median time to first token of one request of `probe_len` tokens, over distinct prompts."""
+    from bench.prefill import ttft_ms
 
-    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     vocab = int(engine.runner.hf_config.vocab_size)
-    times = []
-    for prompt in prompts_for([(probe_len, 1)] * max(ns.probes, 1), vocab, seed=ns.seed + 3000):
-        sync()
-        start = time.perf_counter()
-        engine.generate(input_ids=[prompt], sampling_params=one)
-        sync()
-        times.append(time.perf_counter() - start)
-    return {"input_len": probe_len, "probes": len(times), "median_ms": statistics.median(times) * 1e3}
+    times = [ttft_ms(engine, [p]) for p in prompts([probe_len] * max(ns.probes, 1), vocab, seed=ns.seed + 3000)]
+    return {"input_len": probe_len, "probes": len(times), "median_ms": statistics.median(times)}
 
 
-# -- report ---------------------------------------------------------------------------------------
 
 def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace) -> dict:
     """The two targets: saturation throughput ratio and the lowest rate's TTFT against prefill + 5 ms."""
@@ -267,14 +230,13 @@ def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace)
 
 
 def table(rows: dict[str, dict], offline: dict | None, targets: dict) -> str:
-    f = lambda d: "-" if d["p50"] is None else f"{d['p50']:>8.1f} {d['p99']:>8.1f}"  # noqa: E731
-    lines = [f"{'rate':>7} {'ok':>9} {'tok/s':>9} {'TTFT p50':>8} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-             f"{'E2E p50':>8} {'p99':>8}  (ms)"]
-    for name, r in rows.items():
-        lines.append(f"{name:>7} {r['completed']:>4}/{r['requests']:<4} {r['output_tok_s']:>9.0f} {f(r['ttft_ms'])} "
-                     f"{f(r['itl_ms'])} {f(r['e2e_ms'])}")
+    flat = [{"rate": name, "ok": f"{r['completed']}/{r['requests']}", "tok_s": r["output_tok_s"],
+             **{f"{k}_{q}": r[f"{k}_ms"][q] for k in ("ttft", "itl", "e2e") for q in ("p50", "p99")}} for name, r in rows.items()]
     if offline:
-        lines.append(f"{'offline':>7} {offline['requests']:>4}/{offline['requests']:<4} {offline['output_tok_s']:>9.0f}")
+        flat.append({"rate": "offline", "ok": f"{offline['requests']}/{offline['requests']}", "tok_s": offline["output_tok_s"]})
+    columns = [("rate", "rate", ""), ("ok", "ok", ""), ("tok/s", "tok_s", ".0f")] + [
+        (f"{k.upper()} {q} ms", f"{k}_{q}", ".1f") for k in ("ttft", "itl", "e2e") for q in ("p50", "p99")]
+    lines = [report.table(flat, columns)]
     if "saturation" in targets:
         s = targets["saturation"]
         lines.append(f"saturation: HTTP at inf {s['http_tok_s']:.0f} tok/s / offline {s['offline_tok_s']:.0f} tok/s "
@@ -287,88 +249,35 @@ def table(rows: dict[str, dict], offline: dict | None, targets: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> str:
-    try:
-        import matplotlib
-    except ImportError:
-        return "plot: matplotlib is not installed, skipped"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rates"]
-    names = list(rows)
-    xs = range(len(names))
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
-    panels = (("ttft_ms", "time to first token"), ("itl_ms", "inter-token latency"), ("e2e_ms", "end-to-end latency"))
-    for ax, (key, title) in zip(axes, panels):
-        for q, style in (("p50", "-o"), ("p99", "--x")):
-            ax.plot(xs, [rows[n][key][q] for n in names], style, label=q)
-        ax.set_yscale("log")
-        ax.set_ylabel("ms")
-        ax.set_title(title)
-    axes[3].bar(xs, [rows[n]["output_tok_s"] for n in names], color="tab:blue", label="HTTP")
-    if report.get("offline"):
-        axes[3].axhline(report["offline"]["output_tok_s"], color="k", ls="--", label="offline Engine")
-    axes[3].set_ylabel("output tokens/s")
-    axes[3].set_title("throughput")
-    for ax in axes:
-        ax.set_xticks(list(xs), names)
-        ax.set_xlabel("request rate (req/s)")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"backplane serve, {report['model']} on {report['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return f"wrote {path}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    if ns.replot:
-        report = json.loads(Path(ns.replot).read_text())
-        print(plot(report, Path(ns.plot) if ns.plot else Path(ns.replot).with_suffix(".png")))
-        print(table(report["rates"], report["offline"], report["targets"]))
-        return 0
     missing = missing_dependencies()
     if missing:
-        print(f"bench/serving.py: needs {', '.join(missing)} (the serve extra and httpx), not importable here; "
+        print(f"bench.serving: needs {', '.join(missing)} (the serve extra and httpx), not importable here; "
               "pip install 'backplane-llm[serve]' httpx, or carry a site archive that has them", file=sys.stderr)
         return 2
     engine_argv = ["--model", ns.model, "--device", ns.device, *ns.engine_args]
     warmup, per_rate = workloads(ns, vocab_size(ns.model))
-    out = Path(ns.out) if ns.out else None
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out.with_name(out.stem + "-server.log") if out else Path(tempfile.gettempdir(), f"serving-{os.getpid()}-server.log")
-    server = None if ns.base_url else ServerProcess(engine_argv, log_path, ns.startup_timeout)
+    meta = report.environment(ns.device)
+    path = report.result_path("serving", Path(ns.model).name, meta, ns.out)
+    server = ServerProcess(engine_argv, path.with_name(path.stem + "-server.log"), ns.startup_timeout)
     try:
-        rows = asyncio.run(run_http(ns.base_url or server.url, warmup, per_rate, ns))
+        rows = asyncio.run(run_http(server.url, warmup, per_rate, ns))
     finally:
-        exit_code = server.stop() if server else None
-    low = rate_name(min(ns.rates))
-    probe_len = int(rows[low]["median_input_len"])
+        exit_code = server.stop()
+    probe_len = int(rows[rate_name(min(ns.rates))]["median_input_len"])
     offline = None if ns.no_offline else run_offline(engine_argv, warmup, per_rate["inf"], probe_len, ns)
     targets = compare(rows, offline, ns)
-    report = {"model": ns.model, "device": device_name(ns.device), "date": time.strftime("%Y-%m-%d"),
-              "engine_args": engine_argv, "args": {k: v for k, v in vars(ns).items() if k != "rates"},
-              "server_exit_code": exit_code, "rates": rows, "offline": offline, "targets": targets}
     for section in (*rows.values(), offline or {}):
         section.pop("outputs", None)
-    if out:
-        out.write_text(json.dumps(report, indent=1))
-        print(f"wrote {out}")
-    if ns.plot or out:
-        print(plot(report, Path(ns.plot) if ns.plot else out.with_suffix(".png")))
+    result = {"model": ns.model, "device": meta["device"], "engine_args": engine_argv,
+              "args": {k: v for k, v in vars(ns).items() if k != "rates"}, "server_exit_code": exit_code,
+              "rates": rows, "offline": offline, "targets": targets}
+    path.write_text(json.dumps({"meta": meta, **result}, indent=1))
+    print(f"wrote {path}")
     print(table(rows, offline, targets))
     failed = sum(r["requests"] - r["completed"] for r in rows.values())
     return 1 if failed or exit_code not in (None, 0) else 0
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name()
-    return device
 
 
 if __name__ == "__main__":

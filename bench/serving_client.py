@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from e2e import prompts_for, workload  # bench/e2e.py: one sharegpt-like draw for both benchmarks
+from bench.workload import prompts, shapes
 
 
 @dataclass
@@ -36,9 +36,8 @@ def make_workload(n: int, max_input_len: int, max_output_len: int, vocab: int, s
     """bench/e2e.py's sharegpt-like lengths (seeded by `seed`) clamped to the maxima, and random
     token ids in [3, vocab) seeded by `token_seed`: the same lengths with other tokens share no prefix."""
     max_output_len = min(max_output_len, max_output_cap or max_output_len)
-    shapes = [(min(i, max_input_len), min(o, max_output_len))
-              for i, o in workload("sharegpt-like", n, (0, 0), seed=seed)]
-    return Workload(prompts_for(shapes, vocab, seed=token_seed), [o for _, o in shapes])
+    lengths = [(min(i, max_input_len), min(o, max_output_len)) for i, o in shapes("sharegpt-like", n, seed=seed)]
+    return Workload(prompts([i for i, _ in lengths], vocab, seed=token_seed), [o for _, o in lengths])
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:

@@ -1,48 +1,61 @@
-"""GPU timing shared by the kernel benchmarks: a function's median time from CUDA-graph replays."""
+"""Timing: medians of device work (CUDA-graph replays, L2-cold calls, CUDA events), of synchronised
+host-timed calls, the card's copy bandwidth (the floors' memory speed), and what a torch.profiler
+run says about device kernels and the device's idle gaps."""
 
 from __future__ import annotations
 
 import functools
 import statistics
+import time
 from typing import Callable
 
 import torch
 
-
 L2_FLUSH_BYTES = 256 << 20  # more than any current GPU's L2 (50-60 MB on the H100 and H200)
+H200_COPY_TB_S = 4.30  # device-to-device copy, bytes read + written (../shared/device/README.md)
+MATMUL_PEAK_FLOP_S = 680e12  # bf16 8192^3 matmul on the H200, the lower end of the measured range
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn: Callable[[], object], device: torch.device | str, repeats: int = 30, warmup: int = 2) -> float:
+    """Median milliseconds of fn(), each call timed on the host with the device synchronised around it."""
+    times = []
+    for i in range(warmup + repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def events_ms(fn: Callable[[], object], reps: int = 50, warmup: int = 5) -> float:
+    """Device milliseconds per call of `reps` back-to-back fn() calls, between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int = 50, cold: bool = False) -> float:
-    """Median microseconds of one fn() call, from replays of a graph holding reps_in_graph calls
-    (warmed up on a side stream first, so lazy initialisation stays out of the graph).
+    """Median microseconds of one fn() call on the device.
 
-    cold: instead, eager calls each after a write of L2_FLUSH_BYTES, timed by CUDA events around the
-    call alone (as triton.testing.do_bench does), so fn's operands come from HBM as inside a model
-    step; back-to-back calls would find them in L2, which flatters latency-bound kernels. The flush
-    keeps the device busy while the host enqueues fn, so the events see the kernels, not the launch.
+    warm: replays of a graph holding reps_in_graph calls (warmed up on a side stream first, so lazy
+    initialisation stays out of the graph); launch gaps inside the graph count, operands stay in L2.
+    cold: time_cold(fn): operands come from HBM, as inside a model step.
     """
     if cold:
-        return _cold_median_us(fn, reps_in_graph * 3)
-    return _graph_median_us(fn, reps_in_graph, replays)
-
-
-def _cold_median_us(fn: Callable[[], object], reps: int) -> float:
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    pairs = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1000 for start, end in pairs)
-
-
-def _graph_median_us(fn: Callable[[], object], reps_in_graph: int, replays: int) -> float:
+        return time_cold(fn, reps_in_graph * 3)[0]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -53,55 +66,96 @@ def _graph_median_us(fn: Callable[[], object], reps_in_graph: int, replays: int)
     with torch.cuda.graph(graph):
         for _ in range(reps_in_graph):
             fn()
-    times = []
-    for _ in range(replays):
+    return statistics.median(events_ms(graph.replay, reps=1, warmup=0) * 1e3 / reps_in_graph for _ in range(replays))
+
+
+def time_cold(fn: Callable[[], object], reps: int = 100) -> tuple[float, str]:
+    """(median microseconds, "graph" or "eager") of one fn() call captured in a CUDA graph and replayed
+    after a write of L2_FLUSH_BYTES, CUDA events around the replay alone; a call that cannot be
+    captured is timed eagerly the same way (the flush keeps the device busy while the host launches)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    call, mode = _captured(fn)
+    pairs = []
+    for _ in range(reps):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        call()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps_in_graph)
-    return statistics.median(times)
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs), mode
 
 
-H200_COPY_TB_S = 4.30  # device-to-device copy, bytes read + written (../shared/device/README.md)
+def _captured(fn: Callable[[], object]) -> tuple[Callable[[], object], str]:
+    try:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return graph.replay, "graph"
+    except Exception:  # noqa: BLE001 - some library calls cannot be captured; time them eagerly
+        torch.cuda.synchronize()
+        return fn, "eager"
+
+
+def time_us(fn: Callable[[], object], device: torch.device, cold: bool = False) -> float:
+    """Microseconds of one fn(): time_graph on CUDA; elsewhere one host-timed call after a warm-up
+    (CPU smoke runs exercise the code path only)."""
+    if device.type == "cuda":
+        return time_graph(fn, cold=cold)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
 
 
 def copy_bandwidth_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Measured device-to-device copy bandwidth in TB/s (bytes read + written), the floors' memory
-    speed on whatever card runs the benchmark; the H200's figure off CUDA (CPU smoke runs)."""
+    """Measured device-to-device copy bandwidth in TB/s (bytes read + written); the H200's figure off CUDA."""
     if torch.device(device).type != "cuda":
         return H200_COPY_TB_S
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    tb_s = 2 * nbytes * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    ms = events_ms(functools.partial(dst.copy_, src), reps=reps, warmup=3)
     del src, dst
     torch.cuda.empty_cache()
-    return tb_s
+    return 2 * nbytes / (ms / 1e3) / 1e12
 
 
 @functools.cache
 def peak_bytes_per_s(device: str | None = None) -> float:
-    """The floors' memory speed in bytes/s: the card's measured copy bandwidth, once per process
-    (device None: CUDA when there is one; off CUDA the H200's figure)."""
+    """The floors' memory speed in bytes/s: the card's copy bandwidth, measured once per process."""
     return copy_bandwidth_tb_s(device or ("cuda" if torch.cuda.is_available() else "cpu")) * 1e12
 
 
+def profiled(fn: Callable[[], object], device: torch.device | str) -> tuple[object, object]:
+    """(a finished torch.profiler run of fn(), what fn returned); CPU activities, and CUDA's on a CUDA device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        result = fn()
+        sync(device)
+    return prof, result
+
+
+def device_kernels(prof, per: float = 1) -> list[tuple[str, float, float]]:
+    """The device kernels of a finished profiler run, slowest first: (name, ms, launches), each divided
+    by `per` (e.g. the steps profiled). CUDA graph replays list their kernels one by one."""
+    rows = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / per, e.count / per)
+            for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def device_gaps(prof) -> dict[str, tuple[float, int]]:
-    """Idle device time in a finished torch.profiler run, by the pair of device operations around
-    each gap: {"previous -> next": (ms, count)}. A gap is time when no device operation runs (on any
-    stream) between one operation's end and the next one's start: the device waiting for the host,
-    or per-launch cost inside a replayed graph."""
-    ops = sorted(((e.time_range.start, e.time_range.end, e.key) for e in prof.events()
-                  if str(getattr(e, "device_type", "")).endswith("CUDA")), key=lambda o: o[0])
+    """Idle device time in a finished profiler run by the pair of device operations around each gap:
+    {"previous -> next": (ms, count)}. A gap is time when no device operation runs (on any stream):
+    the device waiting for the host, or per-launch cost inside a replayed graph."""
+    ops = sorted((e.time_range.start, e.time_range.end, e.key) for e in prof.events()
+                 if str(getattr(e, "device_type", "")).endswith("CUDA"))
     gaps: dict[str, tuple[float, int]] = {}
     busy_until, previous = None, None
     for start, end, name in ops:
@@ -112,11 +166,3 @@ def device_gaps(prof) -> dict[str, tuple[float, int]]:
         if busy_until is None or end >= busy_until:
             busy_until, previous = end, name
     return gaps
-
-
-def device_kernels(prof, per: int = 1) -> list[tuple[str, float, float]]:
-    """The device kernels of a finished torch.profiler run, slowest first: (name, ms, launches), each
-    divided by `per` (e.g. the steps profiled). CUDA graph replays list their kernels one by one."""
-    rows = [(e.key, (getattr(e, "self_device_time_total", 0) or 0) / 1e3 / per, e.count / per)
-            for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    return sorted(rows, key=lambda r: -r[1])

@@ -1,23 +1,14 @@
-"""Loading a benchmark script of bench/ as a module, for its CPU tests."""
+"""The benchmarks are the package `bench` at the repository root: importable as such under
+`python -m pytest` from the root; this puts the root on sys.path for other ways of running pytest.
+Also the smallest CPU settings every smoke run of a benchmark shares."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-
-def load_bench(name: str) -> ModuleType:
-    """bench/<name>.py as the module `bench_<name>` (registered in sys.modules: dataclasses look
-    their module up while the class is built); bench/ joins sys.path, since scripts import their
-    siblings (timing.py, serving_client.py) by name."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+CPU = ["--device", "cpu"]  # with tiny-llama and torch_native: every benchmark's CPU smoke run

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
-from pathlib import Path
 
-from helpers_bench import load_bench
-
-client = load_bench("serving_client")
-serving = load_bench("serving")
+from helpers_bench import CPU
+from bench import serving
+from bench import serving_client as client
 
 
 def test_poisson_arrivals_are_seeded_with_mean_gap_one_over_rate():
@@ -48,12 +45,14 @@ def test_missing_serve_dependencies_fail_with_one_line(monkeypatch, capsys):
 
 def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server subprocess: tiny models want one thread
-    out = tmp_path / "serving.json"
-    code = serving.main(["--model", "tiny-llama", "--device", "cpu", "--num-prompts", "6", "--request-rates", "4,inf",
+    code = serving.main(["--model", "tiny-llama", *CPU, "--num-prompts", "6", "--request-rates", "4,inf",
                          "--max-input-len", "32", "--max-output-len", "8", "--warmup", "2", "--probes", "2",
-                         "--out", str(out), "--", "--attention-backend", "torch_native", "--max-total-tokens", "4096"])
+                         "--out", str(tmp_path), "--", "--attention-backend", "torch_native", "--max-total-tokens", "4096"])
     assert code == 0, capsys.readouterr()
-    report = json.loads(out.read_text())
+    (path,) = tmp_path.glob("serving-tiny-llama-cpu-*.json")
+    assert path.with_name(path.stem + "-server.log").stat().st_size > 0
+    report = json.loads(path.read_text())
+    assert report["meta"]["card"] == "cpu"
     assert list(report["rates"]) == ["4", "inf"] and report["server_exit_code"] == 0
     for row in report["rates"].values():
         assert row["completed"] == row["requests"] and row["short_outputs"] == 0 and row["errors"] == []
@@ -64,20 +63,5 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     assert offline["prefill_probe"]["median_ms"] > 0
     assert set(report["targets"]) == {"saturation", "low_rate_ttft"}
     assert report["targets"]["low_rate_ttft"]["rate"] == "4"
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert out.with_suffix(".png").stat().st_size > 0
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("TTFT at rate 4") and table[-2].startswith("saturation")
-
-
-def test_replot_redraws_a_stored_report_without_a_server(tmp_path, capsys):
-    stored = Path(__file__).parents[2] / "docs" / "results" / "serving-1b.json"
-    png = tmp_path / "replot.png"
-    assert serving.main(["--replot", str(stored), "--plot", str(png)]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert lines[0] == f"wrote {png}" and png.stat().st_size > 0
-    else:
-        assert lines[0] == "plot: matplotlib is not installed, skipped"
-    report = json.loads(stored.read_text())
-    assert lines[-2].startswith("saturation") and f"{report['targets']['saturation']['ratio']:.2f}" in lines[-2]

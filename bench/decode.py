@@ -1,0 +1,136 @@
+"""Decode against its peer: the engine's decode step beside the peer's (bench/peer.py, a torch.compile
+Llama loop) at the same batch and context, in one process, per model, attention backend and engine variant.
+
+Engine: the whole Engine.generate loop per step, and the captured decode graph's replay alone. The
+variants (VARIANTS) are engines of the same settings but one, built side by side and measured in
+interleaved rounds, so host noise hits them alike; their graph capture time and memory are kept.
+Floor: the weights' bytes at the card's measured copy
+bandwidth. --profile BS splits a step of the first variant (and the peer's kernels) at those batch sizes.
+
+    python -m bench.decode --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer
+    python -m bench.decode --variants overlap compiled --rounds 2      # torch.compile against plain graphs
+    python -m bench.decode --models tiny-llama --backends torch_native --batch-sizes 1 2 --device cpu --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+import torch
+
+from backplane import Engine
+from bench import peer, report, steps
+from bench.timing import copy_bandwidth_tb_s
+from bench.workload import weight_bytes
+
+VARIANTS = {  # name -> the Engine settings that differ from the default engine
+    "overlap": {},
+    "no-overlap": {"disable_overlap_schedule": True},
+    "compiled": {"enable_torch_compile": True},
+    "tensor-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "true"}}},
+    "cuda-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "false"}}},
+}
+COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("variant", "variant", ""), ("bs", "batch_size", "d"),
+           ("peer ms", "peer_ms", ".3f"), ("engine ms", "engine_ms", ".3f"), ("engine/peer", "ratio", ".2f"),
+           ("replay ms", "replay_ms", ".3f"), ("replay/floor", "replay_floor", ".2f"),
+           ("step/floor", "step_floor", ".2f")]
+PROFILE_COLUMNS = COLUMNS[:4] + [("wall ms", "wall_ms", ".3f"), ("kernels ms", "kernel_ms", ".3f"),
+                                 ("host or gaps ms", "host_or_gap_ms", ".3f"), ("launches", "launches", ".0f")]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
+    p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["overlap", "no-overlap"])
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the variants (medians)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel engines (the peer runs on one GPU)")
+    p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
+    p.add_argument("--profile", type=int, nargs="*", default=[], metavar="BS", help="profile a step at these sizes")
+    report.add_output_args(p)
+    return p.parse_args(argv)
+
+
+def build_engine(ns: argparse.Namespace, model: str, backend: str, variant: str) -> Engine:
+    bs = max(ns.batch_sizes)
+    return Engine(model, device=ns.device, attention_backend=backend, max_running_requests=bs,
+                  max_total_tokens=2 * bs * (ns.context + ns.steps + 64), cuda_graph_bs=ns.batch_sizes,
+                  chunked_prefill_size=max(8192, ns.context), tp_size=ns.tp_size, **VARIANTS[variant])
+
+
+def measure_backend(ns: argparse.Namespace, model: str, backend: str, tb_s: float) -> tuple[list[dict], dict]:
+    """Rows (one per variant and batch size) and each variant's graph capture, engines built side by side."""
+    engines = {v: build_engine(ns, model, backend, v) for v in ns.variants}
+    floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
+    samples = {(v, bs): [] for v in engines for bs in ns.batch_sizes}
+    for _ in range(ns.rounds):
+        for bs in ns.batch_sizes:
+            for v in engines:
+                samples[(v, bs)].append(steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
+    rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms) | {"model": model, "backend": backend, "variant": v,
+                                                                        "floor_ms": floor}
+            for (v, bs), ms in samples.items()]
+    captures = {v: steps.graph_capture(e) for v, e in engines.items()}
+    for v in list(engines):
+        engines.pop(v).shutdown()
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows, captures
+
+
+def measure_row(ns: argparse.Namespace, engine: Engine, first: bool, bs: int, runs_ms: list[float]) -> dict:
+    """One variant at one batch size: its step (median of the rounds), replay, and for the first
+    variant a profile (--profile)."""
+    row = {"batch_size": bs, "engine_ms": statistics.median(runs_ms), "engine_runs_ms": runs_ms,
+           "replay_ms": steps.replay_ms(engine, bs)}
+    if first and bs in ns.profile:
+        row["profile"] = steps.profile_step(engine, bs, ns.context)
+    print(f"bs {bs}: engine {row['engine_ms']:.3f} ms, replay {row['replay_ms']}", flush=True)
+    return row
+
+
+def add_peer(ns: argparse.Namespace, model: str, rows: list[dict]) -> None:
+    """The peer at each batch size, then the ratios, beside every row."""
+    from backplane.models.presets import get_preset
+
+    cfg, device, peers = get_preset(model), torch.device(ns.device), {}
+    for bs in ns.batch_sizes:
+        ms, kernels = peer.decode_ms(cfg, bs, ns.context, ns.steps, device, not ns.no_compile, bs in ns.profile)
+        peers[bs] = {"peer_ms": ms, "peer_profile": kernels}
+        print(f"peer {model} bs {bs}: {ms:.3f} ms", flush=True)
+    for row in rows:
+        row.update(peers[row["batch_size"]])
+    report.add_ratios(rows, {"ratio": ("engine_ms", "peer_ms"), "replay_floor": ("replay_ms", "floor_ms"),
+                             "step_floor": ("engine_ms", "floor_ms")})
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ns = parse_args(argv)
+    tb_s = copy_bandwidth_tb_s(ns.device)
+    print(f"device copy bandwidth {tb_s:.2f} TB/s (the floors')")
+    all_rows = []
+    for model in ns.models:
+        rows, captures = [], {}
+        for backend in ns.backends:
+            backend_rows, captures[backend] = measure_backend(ns, model, backend, tb_s)
+            rows += backend_rows
+            payload = {"args": vars(ns), "copy_tb_s": tb_s, "captures": captures, "rows": rows}
+            report.write_result("decode", model, payload, ns.out, ns.device)  # a run cut short keeps these
+        add_peer(ns, model, rows)
+        path = report.write_result("decode", model, payload, ns.out, ns.device)
+        print(f"wrote {path}")
+        all_rows += rows
+    profiles = [r | r["profile"] for r in all_rows if r.get("profile")]
+    print(report.table(profiles, PROFILE_COLUMNS, "one step under the profiler (top kernels and idle gaps: the JSON)"))
+    print(report.table(all_rows, COLUMNS))
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Named groups of GPU tests and benchmarks, run inside one device call's time. On the GPU machine,
+carrying .device (../shared/device/README.md):
+
+    tar -xJf .device/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site &&
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && python3 -m bench.run decode-1b --commit abc1234
+
+All jobs share one deadline, --budget seconds after the start: a job runs until it ends or the
+deadline (pytest gets SIGINT, so it still prints its summary); one with less than MIN_JOB_S left is
+not started. A `together` job runs beside the jobs after it, up to the next one that is not. Each
+group's logs and result JSON go to $OUT/<group>/, packed as $OUT/<group>.tar.gz (a call brings back
+at most 8 files); a summary table comes last. --commit names the commit in result files (the copy of
+the tree there has no git). FlashInfer modules JIT-built on an earlier machine (--save-flashinfer-aot
+writes them as flashinfer-aot.tar.xz.part-*; put those in .device/) are installed prebuilt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.report import COMMIT_ENV
+
+MIN_JOB_S = 30
+SERIAL = "share_the_pool or shares_the_pool"  # tests that read the device's free memory: run alone
+AOT_PARTS = ".device/flashinfer-aot.tar.xz.part-*"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One command, run as `python <argv>`; "{out}" in argv is the group's folder."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    together: bool = False
+
+
+def tests(name: str, *paths: str, k: str | None = None, together: bool = False, env=()) -> Job:
+    argv = ("-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=5", *paths)
+    return Job(name, argv + (("-k", k) if k else ()), tuple(env), together)
+
+
+def bench(name: str, module: str, *args: str) -> Job:
+    return Job(name, ("-m", f"bench.{module}", *args))
+
+
+def matrix_shards(n: int) -> list[Job]:
+    return [tests(f"matrix-{i}", "tests/gpu/test_combinations_gpu.py", together=i < n - 1,
+                  env=(("BACKPLANE_MATRIX_SHARD", f"{i}/{n}"), ("BACKPLANE_MATRIX_OUT", f"{{out}}/matrix-{i}.json")))
+            for i in range(n)]
+
+
+DECODE_TESTS = ("tests/gpu/test_attention_triton_gpu.py", "tests/gpu/test_overlap_gpu.py", "tests/gpu/test_graph_runner_gpu.py")
+GROUPS: dict[str, list[Job]] = {
+    "quick": [tests("quick-triton", *DECODE_TESTS, k=f"not ({SERIAL})", together=True),
+              tests("quick-flashinfer", "tests/gpu/test_attention_flashinfer_gpu.py")],
+    "tests": [tests("tests-flashinfer", "tests/gpu/test_attention_flashinfer_gpu.py", k=f"not ({SERIAL})", together=True),
+              tests("tests-conformance", "tests/gpu/test_conformance_gpu.py", k=f"not ({SERIAL})", together=True),
+              tests("tests-model-spec", "tests/gpu/test_model_backends_gpu.py", "tests/gpu/test_spec_gpu.py",
+                    k=f"not ({SERIAL})", together=True),
+              tests("tests-ops", "tests/gpu/test_ops_triton_gpu.py", "tests/ops/test_ops.py", together=True),
+              tests("tests-triton-graphs-lora", *DECODE_TESTS, "tests/gpu/test_lora_gpu.py", "tests/gpu/test_lora_triton_gpu.py",
+                    "tests/gpu/test_prefix_cache_gpu.py", "tests/models/test_models_vs_hf.py", "tests/distributed/test_tp.py",
+                    k=f"not ({SERIAL})"),
+              tests("tests-graph-memory", "tests/gpu/test_graph_runner_gpu.py", "tests/gpu/test_spec_gpu.py", k=SERIAL)],
+    "matrix": matrix_shards(4),
+    "kernels": [bench("attention", "attention", "--sweep"), bench("lora-kernels", "lora_kernels"),
+                bench("ops", "ops")],
+    "attention-1b": [bench("attention-hd64", "attention", "--only", "decode", "--sweep", "--head-dim", "64",
+                           "--decode-cases", "1x512", "8x512", "32x512", "32x2048")],
+    "ops": [tests("ops-tests", "tests/gpu/test_ops_triton_gpu.py"), bench("ops", "ops")],
+    "decode-1b": [bench("decode-1b", "decode", "--models", "llama-3.2-1b", "--profile", "1", "32", "--eager")],
+    "decode-8b": [bench("decode-8b", "decode", "--models", "llama-3.1-8b", "--profile", "1")],
+    "compile": [bench("compile", "decode", "--models", "llama-3.2-1b", "--variants", "overlap", "compiled", "--rounds", "3")],
+    "prefill": [bench("prefill", "prefill")],
+    "e2e-1b": [bench("e2e-1b", "e2e", "--model", "llama-3.2-1b", "--repeats", "3")],
+    "e2e-8b": [bench("e2e-8b", "e2e", "--model", "llama-3.1-8b")],
+    "prefix-cache": [tests("prefix-cache-tests", "tests/gpu/test_prefix_cache_gpu.py"),
+                     bench("prefix-cache", "e2e", "--model", "llama-3.2-1b", "--workloads", "shared-prefix", "distinct",
+                           "--cache", "on", "off", "--repeats", "3")],
+    "lora": [tests("lora-tests", "tests/gpu/test_lora_gpu.py", "tests/gpu/test_lora_triton_gpu.py"),
+             bench("lora", "lora"), bench("lora-kernels", "lora_kernels")],
+    "lora-tune": [bench("lora-tune", "lora_kernels", "--ranks", "16", "64", "--tokens", "1", "8", "32",
+                        "--tune", "{out}/lora_triton_configs.json")],
+    "spec": [tests("spec-tests-triton", "tests/gpu/test_spec_gpu.py", "tests/gpu/test_conformance_gpu.py",
+                   k=f"triton and (eagle or graphs) and not ({SERIAL})", together=True),
+             tests("spec-tests-flashinfer", "tests/gpu/test_spec_gpu.py", "tests/gpu/test_conformance_gpu.py",
+                   k=f"flashinfer and (eagle or graphs) and not ({SERIAL})"),
+             tests("spec-tests-pool", "tests/gpu/test_spec_gpu.py", k=SERIAL), bench("spec", "spec")],
+    "serving": [bench("serving", "serving", "--model", "llama-3.2-1b", "--", "--attention-backend", "triton")],
+}
+
+
+def prepare() -> list[str]:
+    """The environment every job inherits, FlashInfer's prebuilt modules installed; what the machine has."""
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                      PYTHONUNBUFFERED="1")
+    lines = [_shell("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader") or "no nvidia-smi"]
+    import importlib.util
+
+    spec = importlib.util.find_spec("flashinfer")
+    aot = Path(spec.submodule_search_locations[0]) / "data" / "aot" if spec else None
+    if aot and not aot.exists() and list(Path.cwd().glob(AOT_PARTS)):
+        aot.mkdir(parents=True)
+        _shell(f"cat {AOT_PARTS} | tar -xJ -C {aot}")
+        lines.append(f"flashinfer: {len(list(aot.iterdir()))} prebuilt modules from .device")
+    return lines
+
+
+def _shell(command: str) -> str:
+    out = subprocess.run(command, shell=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def start(job: Job, folder: Path) -> subprocess.Popen:
+    argv = [a.replace("{out}", str(folder)) for a in job.argv]
+    env = {**os.environ, "OUT": str(folder), **{k: v.replace("{out}", str(folder)) for k, v in job.env}}
+    log = open(folder / f"{job.name}.log", "w")
+    return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, deadline: float) -> int:
+    """The job's exit code; at the deadline SIGINT, then SIGKILL 30 s later."""
+    try:
+        return proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+
+def run_group(jobs: list[Job], folder: Path, deadline: float) -> list[dict]:
+    """Every job of a group in order (a `together` one runs with the jobs after it); one summary row each."""
+    rows, batch = [], []
+    for job in jobs:
+        if deadline - time.monotonic() < MIN_JOB_S:
+            rows.append({"job": job.name, "rc": None, "seconds": 0, "last": "not started: the budget is spent"})
+            continue
+        batch.append((job, start(job, folder), time.monotonic()))
+        if not job.together:
+            rows += wait(batch, folder, deadline)
+            batch = []
+    return rows + wait(batch, folder, deadline)
+
+
+def wait(batch: list, folder: Path, deadline: float) -> list[dict]:
+    rows = []
+    for job, proc, began in batch:
+        rc = finish(proc, deadline)
+        rows.append({"job": job.name, "rc": rc, "seconds": time.monotonic() - began, "last": _last_line(folder, job)})
+    return rows
+
+
+def _last_line(folder: Path, job: Job) -> str:
+    lines = [ln for ln in (folder / f"{job.name}.log").read_text(errors="replace").splitlines() if ln.strip()]
+    summary = [ln for ln in lines if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln]
+    return (summary or lines or [""])[-1][:100]
+
+
+def merge_matrix(folder: Path) -> str:
+    """The matrix shards' JSON (tests/gpu/test_combinations_gpu.py) merged into matrix.json; one line."""
+    results = [r for p in sorted(folder.glob("matrix-[0-9]*.json")) for r in json.loads(p.read_text())["results"]]
+    counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "tie", "refused", "mismatch")}
+    doc = {"cells": len(results), **counts, "seconds": round(sum(r["seconds"] for r in results), 1), "results": results,
+           "refusals": {r["label"]: r["message"] for r in results if r["status"] == "refused"},
+           "mismatches": {r["label"]: r["message"] for r in results if r["status"] == "mismatch"},
+           "ties": {r["label"]: r["ties"] for r in results if r["status"] == "tie"}}
+    (folder / "matrix.json").write_text(json.dumps(doc, indent=1))
+    return f"matrix: {len(results)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def save_flashinfer_aot(out: Path) -> str:
+    """Every FlashInfer module this machine JIT-built, as <name>/<name>.so (FlashInfer's AOT layout),
+    xz-compressed in parts of at most 15 MB under `out`."""
+    jit = next(Path.home().glob(".cache/flashinfer/*/*/cached_ops"), None)
+    if jit is None:
+        return "flashinfer: no JIT-built modules to save"
+    names = sorted(str(p.relative_to(jit)) for p in jit.glob("*/*.so"))
+    listing = Path(tempfile.mkstemp()[1])
+    listing.write_text("\n".join(names))
+    _shell(f"tar -cf - -C {jit} -T {listing} | xz -T0 -6 | split -b 15M - {out}/flashinfer-aot.tar.xz.part-")
+    return f"flashinfer: {len(names)} JIT-built modules saved"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("groups", nargs="*", metavar="GROUP")
+    p.add_argument("--list", action="store_true", help="print every group's jobs and exit")
+    p.add_argument("--budget", type=float, default=570.0, help="seconds for all the jobs together (one call: 600)")
+    p.add_argument("--commit", default=None, help="the commit to name in result files (no git on the GPU machine)")
+    p.add_argument("--save-flashinfer-aot", action="store_true")
+    ns = p.parse_args(argv)
+    unknown = [g for g in ns.groups if g not in GROUPS]
+    if ns.list or unknown or not ns.groups:
+        print("\n".join(f"{name}: {', '.join(j.name for j in jobs)}" for name, jobs in GROUPS.items()))
+        return 2 if unknown or not (ns.list or ns.groups) else 0
+    deadline = time.monotonic() + ns.budget
+    if ns.commit:
+        os.environ[COMMIT_ENV] = ns.commit
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench-run-"))
+    lines, rows = prepare(), []
+    for group in ns.groups:
+        folder = out / group
+        folder.mkdir(parents=True, exist_ok=True)
+        rows += [{"group": group, **r} for r in run_group(GROUPS[group], folder, deadline)]
+        if group == "matrix":
+            lines.append(merge_matrix(folder))
+        if os.environ.get("OUT"):
+            shutil.make_archive(str(folder), "gztar", folder)
+            shutil.rmtree(folder)
+    if ns.save_flashinfer_aot:
+        lines.append(save_flashinfer_aot(out))
+    from bench.report import table
+
+    print("\n".join(lines + [f"results under {out}", table(rows, [("group", "group", ""), ("job", "job", ""), ("rc", "rc", ""),
+                                                                  ("s", "seconds", ".0f"), ("last line", "last", "")])]))
+    return 0 if all(r["rc"] in (0, 5) for r in rows) else 1  # 5: pytest selected no test
+
+
+if __name__ == "__main__":
+    sys.exit(main())

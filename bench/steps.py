@@ -1,0 +1,88 @@
+"""What one decode step of an Engine costs, measured from the outside: the whole `generate` loop per
+step, the captured decode graph's replay alone, and a profiler's split of a step into device kernels
+and the device's idle gaps. (`backplane bench` times a one-batch step eager and through graphs.)"""
+
+from __future__ import annotations
+
+import time
+
+from backplane import Engine, SamplingParams
+from bench.timing import device_gaps, device_kernels, events_ms, profiled, sync
+
+
+def prompts_for(engine: Engine, bs: int, context: int) -> list[list[int]]:
+    """bs deterministic prompts of `context` ids, inside every preset's vocabulary (ids 3..)."""
+    span = min(1000, int(engine.runner.hf_config.vocab_size) - 3)
+    return [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
+
+
+def _generate(engine: Engine, prompts, n: int, lora=None) -> float:
+    """Seconds of one generate call of n tokens per prompt (greedy, ignore_eos), device synchronised."""
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    sync(engine.runner.device)
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params, lora=lora)
+    sync(engine.runner.device)
+    bad = [o.error for o in outs if o.error or len(o.token_ids) != n]
+    if bad:
+        raise RuntimeError(f"expected {n} tokens from every request, got an error or fewer: {bad[0]}")
+    return time.perf_counter() - start
+
+
+def engine_step_ms(engine: Engine, bs: int, context: int, steps: int, lora=None) -> float:
+    """ms per decode step of the whole Engine.generate loop at batch `bs`: the difference of two runs
+    of 4 and 4 + steps tokens, so the prefill (a prefix-cache hit in both) cancels."""
+    prompts = prompts_for(engine, bs, context)
+    _generate(engine, prompts, 4, lora)  # warm-up
+    short, long = _generate(engine, prompts, 4, lora), _generate(engine, prompts, 4 + steps, lora)
+    return (long - short) * 1e3 / steps
+
+
+def replay_ms(engine: Engine, bs: int, reps: int = 50) -> float | None:
+    """Device ms of one replay of the captured LoRA-less decode graph for `bs` requests, replays back
+    to back after a generate left its inputs in place; None without graphs."""
+    from backplane.contracts.batch import ForwardMode
+    from backplane.executor.graph_sizes import padded_size
+
+    graphs = engine.runner.graph_runner
+    if graphs is None or engine.runner.device.type != "cuda":
+        return None
+    size = padded_size(bs, graphs.sizes)
+    keys = [k for k in graphs.graphs if k.mode is ForwardMode.DECODE and k.batch_size == size]
+    return events_ms(graphs.graphs[min(keys, key=lambda k: len(k.extras))].replay, reps) if keys else None
+
+
+def graph_capture(engine: Engine) -> dict:
+    """Seconds and pool megabytes the engine's graph capture took, and the batch sizes captured."""
+    graphs = engine.runner.graph_runner
+    if graphs is None:
+        return {"capture_s": None, "graph_mb": None, "sizes": []}
+    return {"capture_s": graphs.capture_seconds, "graph_mb": graphs.graph_memory_bytes / 2**20, "sizes": graphs.sizes}
+
+
+def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=None) -> dict:
+    """Where one decode step goes (torch.profiler over a generate of 1 + steps tokens less one of 1
+    token, per step): wall ms, device kernel ms, the rest (host work the device waits for, launch
+    gaps), launches, the top kernels and the top idle gaps by the operations around them."""
+    prompts = prompts_for(engine, bs, context)
+    _generate(engine, prompts, 1 + steps, lora)  # warm-up
+    runs = []
+    for n in (1, 1 + steps):
+        prof, wall = profiled(lambda n=n: _generate(engine, prompts, n, lora), engine.runner.device)
+        kernels = {name: (ms, count) for name, ms, count in device_kernels(prof)}
+        runs.append((wall, kernels, device_gaps(prof)))
+    (short_wall, short, short_gaps), (long_wall, long, long_gaps) = runs
+    kernels, gaps = _per_step(long, short, steps), _per_step(long_gaps, short_gaps, steps)
+    wall, device = (long_wall - short_wall) * 1e3 / steps, sum(ms for ms, _ in kernels.values())
+    return {"wall_ms": wall, "kernel_ms": device, "host_or_gap_ms": wall - device,
+            "launches": sum(n for _, n in kernels.values()), "top_kernels": _top(kernels, 8), "top_gaps": _top(gaps, 6)}
+
+
+def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, float]]:
+    """{name: (ms, count)} of the long run less the short one, per decode step."""
+    return {k: ((ms - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
+            for k, (ms, n) in long.items()}
+
+
+def _top(rows: dict[str, tuple[float, float]], n: int) -> list[tuple[str, float, float]]:
+    return [(k[:70], ms, count) for k, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:n]]

@@ -1,0 +1,39 @@
+"""bench/peer.py and bench/decode.py on CPU: the peer is one Llama whether it prefills or decodes,
+and a decode run puts the engine beside the peer row by row in a result file named for its machine."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from helpers_bench import CPU
+from bench import decode, peer
+
+
+def test_the_peer_decodes_the_token_its_longer_prefill_chooses():
+    from backplane.models.presets import get_preset
+
+    torch.manual_seed(0)
+    model = peer.PeerLlama(get_preset("tiny-llama"), 2, 40, torch.float32, torch.device("cpu"))
+    ids = torch.randint(3, 500, (2, 17))
+    with torch.inference_mode():
+        whole = model(ids, torch.tensor([0]))
+        model(ids[:, :16], torch.tensor([0]))  # the cache holds positions 0..15
+        stepped = model(ids[:, 16:], torch.tensor([16]))
+    assert whole.shape == (2,) and torch.equal(whole, stepped)
+
+
+def test_a_decode_run_sets_each_variant_beside_the_peer(tmp_path, capsys):
+    rows = decode.main(["--models", "tiny-llama", "--backends", "torch_native", "--batch-sizes", "1", "2", "--steps", "3",
+                        "--context", "8", "--no-compile", "--profile", "1", "--out", str(tmp_path), *CPU])
+    assert [(r["variant"], r["batch_size"]) for r in rows] == [("overlap", 1), ("overlap", 2), ("no-overlap", 1),
+                                                               ("no-overlap", 2)]
+    for r in rows:
+        assert r["engine_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] == r["engine_ms"] / r["peer_ms"]
+        assert r["replay_ms"] is None and r["step_floor"] == r["engine_ms"] / r["floor_ms"]  # no graphs on CPU
+    assert rows[0]["profile"]["wall_ms"] > 0 and "profile" not in rows[1]
+    (path,) = tmp_path.glob("decode-tiny-llama-cpu-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["card"] == "cpu" and len(doc["rows"]) == 4 and set(doc["captures"]["torch_native"]) == {"overlap", "no-overlap"}
+    assert "engine/peer" in capsys.readouterr().out

@@ -1,0 +1,35 @@
+"""bench/prefill.py and bench/e2e.py on CPU: the cached-prefix probe hits what it says it hits, the
+radix cache computes the ideal prompt tokens of a shared-prefix workload, and the floor's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers_bench import CPU
+from bench import e2e, prefill
+
+
+def test_prefill_rows_and_the_cached_probe(tmp_path):
+    rows, probes = prefill.main(["--models", "tiny-llama", "--backends", "torch_native", "--cases", "1x16", "2x8",
+                                 "--probe", "40", "6", "--repeats", "1", "--no-compile", "--out", str(tmp_path), *CPU])
+    assert [(r["batch_size"], r["length"]) for r in rows] == [(1, 16), (2, 8)]
+    assert all(r["ratio"] == r["engine_ms"] / r["peer_ms"] and r["floor_ms"] > 0 for r in rows)
+    hits = {name: [p["hit_tokens"] for p in runs] for name, runs in probes[0]["probes"].items()}
+    assert hits == {"uncached": [0], "cached": [40], "floor": [45]}  # the floor computes its last token alone
+    assert len(list(tmp_path.glob("prefill-tiny-llama-cpu-*.json"))) == 1
+
+
+def test_the_radix_cache_computes_the_ideal_prompt_tokens(tmp_path):
+    rows = e2e.main(["--model", "tiny-llama", "--backends", "torch_native", "--workloads", "shared-prefix", "distinct",
+                     "--cache", "on", "off", "--requests", "6", "--groups", "2", "--prefix-shape", "40", "6", "3",
+                     "--out", str(tmp_path), *CPU])
+    prefilled = {(r["workload"], r["cache"]): r["prefill_tokens"] for r in rows}
+    assert prefilled == {("shared-prefix", "on"): 2 * 40 + 6 * 6, ("shared-prefix", "off"): 6 * 46,
+                         ("distinct", "on"): 6 * 46, ("distinct", "off"): 6 * 46}
+    assert all(r["output_tokens"] == 6 * 3 and r["of_floor"] == pytest.approx(r["floor_s"] / r["seconds"]) for r in rows)
+
+
+def test_the_floor_reads_weights_and_kv_per_step_and_does_the_prefill_flops():
+    # one request of 2 input / 3 output tokens: 2 decode steps over 3 and 4 tokens of KV
+    seconds = e2e.floor_seconds([(2, 3)], weights=100, kv_per_token=10, matmul_params=1000, tb_s=1e-12)
+    assert seconds == pytest.approx(2 * 100 + 10 * 7 + 2 * 1000 * 2 / e2e.MATMUL_PEAK_FLOP_S)
