@@ -35,6 +35,7 @@ from backplane.contracts.lora import LoraBackendContext
 from backplane.contracts.lora_batch import LoraBatchInfo, LoraSegments
 from backplane.lora.layers import LoraLinear, LoraRuntime, full_projection_shape, wrap_model
 from backplane.lora.pool import SlotPool
+from backplane.plugin.runtime import build
 from backplane.plugin.selection import LoraRequirements, select_lora_backend
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class LoraManager:
         requirements = LoraRequirements(ctx.device.type, dtype_name(ctx.dtype), self.max_rank)
         self.selection = select_lora_backend(ctx.registry, args.lora_backend, requirements)
         self.backend_ctx = self._backend_context(ctx)
-        self.backend = self.selection.spec.factory(self.backend_ctx)
+        self.backend = build(self.selection, self.backend_ctx, kind="lora")  # failures: one line naming the plugin
         self.runtime = LoraRuntime(self.backend, ctx.model_ctx.forward_slot)
         self.layers: list[LoraLinear] = wrap_model(ctx.model, self.runtime, self.num_slots, self.max_rank)
         self.adapters = self._load_adapters(ctx.dtype)

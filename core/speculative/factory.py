@@ -42,8 +42,11 @@ def build_spec_worker(args: Any, plugin_set: Any, runner: TargetRunner,
     if spec is None:
         return None
     plugin = plugin_set.registry.provenance("spec", spec.name).plugin
-    return spec.factory(SpecContext(runner=runner, args=args, spec=spec, plugin=plugin,
-                                    participants=tuple(participants)))
+    from backplane.plugin.registry import Registered
+    from backplane.plugin.runtime import build
+
+    return build(Registered(spec, plugin), SpecContext(runner=runner, args=args, spec=spec, plugin=plugin,
+                                    participants=tuple(participants)), kind="spec")
 
 
 def sampling_refusal(spec: Any, req: Any) -> str | None:
