@@ -7,15 +7,13 @@ model's pools, through the same registry selection the target used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
-
-if TYPE_CHECKING:
-    from backplane.speculative.context import TargetRunner
+from backplane.speculative.target import TargetRunner
 
 
 def llama_decoder_layer(config: Any, layer_id: int, model_ctx: Any) -> nn.Module:

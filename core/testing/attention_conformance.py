@@ -14,36 +14,13 @@ graph-replay cases run when the backend declares graph modes and CUDA is present
 from __future__ import annotations
 
 import copy
-import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
-from backplane.contracts.batch import ForwardBatch, ForwardMode
-from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
-
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-@dataclass(frozen=True)
-class Case:
-    """One conformance check. prefix/new: per-request cached and new token counts."""
-
-    name: str
-    mode: str
-    prefix: tuple[int, ...]
-    new: tuple[int, ...]
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    window: int = 0
-    softcap: float = 0.0
-    tree_mask: bool = False
-
-    def __str__(self) -> str:
-        return self.name
-
+from backplane.contracts.attention import AttentionBackend
+from backplane.contracts.batch import ForwardBatch
+from backplane.testing.attention_harness import TOLERANCE, Case, Harness  # noqa: F401  (re-exported)
 
 def base_cases(small: bool) -> list[Case]:
     """Odd sizes; `small` keeps lengths short (CPU, the Triton interpreter)."""
@@ -81,84 +58,6 @@ def applicable(spec, case: Case, device: str) -> str | None:
         if needed and not getattr(spec, flag):
             return f"{flag} not declared"
     return None
-
-
-class Harness:
-    """Real pools holding random prefixes at random slots, and batches over them."""
-
-    def __init__(self, case: Case, dtype: torch.dtype, device: str, seed: int, num_layers: int = 1):
-        self.case, self.dtype, self.device = case, dtype, torch.device(device)
-        self.gen = torch.Generator().manual_seed(seed)
-        total = sum(case.prefix) + sum(case.new)
-        max_ctx = max(p + n for p, n in zip(case.prefix, case.new)) + 1
-        self.req_pool = ReqToTokenPool(len(case.prefix) + 1, max_ctx, device)
-        self.kv_pool = TokenToKVPool(total + 16, num_layers, case.num_kv_heads, case.head_dim, dtype, device)
-        self.rng = random.Random(seed)
-        slots = list(range(1, total + 17))
-        self.rng.shuffle(slots)  # random slot order, never slot 0
-        self.free_slots = slots
-        self.rows = [self.req_pool.alloc() for _ in case.prefix]
-        for layer in range(num_layers):
-            for buf in (*self.kv_pool.get_kv_buffer(layer),):
-                buf.copy_(self.randn(*buf.shape))
-        for row, p in zip(self.rows, case.prefix):
-            self._place(row, 0, p)
-
-    def randn(self, *shape) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen).to(self.device, self.dtype)
-
-    def _place(self, row: int, start: int, n: int) -> torch.Tensor:
-        slots = torch.tensor([self.free_slots.pop() for _ in range(n)], dtype=torch.int64)
-        self.req_pool.req_to_token[row, start:start + n] = slots.to(self.device, torch.int32)
-        return slots
-
-    def batch(self) -> ForwardBatch:
-        c = self.case
-        mode = ForwardMode(c.mode)
-        locs = [self._place(row, p, n) for row, p, n in zip(self.rows, c.prefix, c.new)]
-        seq = [p + n for p, n in zip(c.prefix, c.new)]
-        positions = [pos for p, n in zip(c.prefix, c.new) for pos in range(p, p + n)]
-        dev = self.device
-        batch = ForwardBatch(
-            forward_mode=mode, batch_size=len(seq), input_ids=torch.zeros(sum(c.new), dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, device=dev), req_pool_indices=torch.tensor(self.rows, device=dev),
-            seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
-            out_cache_loc=torch.cat(locs).to(dev), req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
-        )
-        if mode is not ForwardMode.DECODE:
-            batch.set_extend_lens(c.prefix, c.new)
-        if c.tree_mask:
-            batch.custom_mask, batch.mask_indptr = self.tree_mask()
-        return batch
-
-    def tree_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A random draft tree per request: each node sees the prefix, itself and its ancestors."""
-        masks, indptr = [], [0]
-        for p, n in zip(self.case.prefix, self.case.new):
-            parent = [-1] + [self.rng.randrange(0, i) for i in range(1, n)]
-            m = torch.zeros(n, p + n, dtype=torch.bool)
-            m[:, :p] = True
-            for i in range(n):
-                j = i
-                while j >= 0:
-                    m[i, p + j] = True
-                    j = parent[j]
-            masks.append(m.flatten())
-            indptr.append(indptr[-1] + m.numel())
-        return torch.cat(masks).to(self.device), torch.tensor(indptr, dtype=torch.int32, device=self.device)
-
-    def context(self, options=None) -> AttentionBackendContext:
-        c = self.case
-        return AttentionBackendContext(
-            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            num_layers=self.kv_pool.num_layers, dtype=self.dtype, device=self.device,
-            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
-            max_context_len=self.req_pool.max_context_len, options=options)
-
-    def layer(self) -> AttentionLayerInfo:
-        c = self.case
-        return AttentionLayerInfo(0, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
-                                  sliding_window=c.window, logit_softcap=c.softcap)
 
 
 def run_backend(backend: AttentionBackend, harness: Harness, batch: ForwardBatch, qkv) -> torch.Tensor:

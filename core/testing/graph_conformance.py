@@ -19,7 +19,7 @@ from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.executor.graph_runner import StaticInputs, capture_graph, pad_into
 from backplane.executor.graph_sizes import GraphKey, padded_size
 from backplane.models.base import ModelContext
-from backplane.testing.attention_conformance import TOLERANCE, Case, Harness
+from backplane.testing.attention_harness import TOLERANCE, Case, Harness
 
 PAD_ROW_SEQ = 1
 
