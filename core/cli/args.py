@@ -2,6 +2,8 @@
 
 Parsing is two-phase: the core flags that decide plugin loading (`--strict-plugins`) are read
 first, plugins are loaded, then the full parser (with every `--<group>.<option>`) is built.
+`preflight` then runs the checks that need the model's config but nothing built (the heads over
+--tp-size, the model's memory) and sets the CPU threads, before any worker or engine starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from backplane.settings import EngineArgs, env_name, flag_name
+from backplane.settings import EngineArgs, env_name, flag_name, resolve_cpu_threads
 
 GROUP_SEP = "."
 
@@ -73,3 +75,23 @@ def prescan_strict(argv: list[str]) -> bool | None:
     if "--no-strict-plugins" in argv:
         return False
     return None
+
+
+def preflight(args: EngineArgs) -> str:
+    """Refuse, in one line, what the model config already rules out: a --tp-size its heads do not
+    divide (before any worker starts) and, on CPU, a model larger than the free memory. Then set
+    torch's CPU threads; returns a line saying how many and why."""
+    import torch
+
+    from backplane.executor.model_runner import available_memory, resolve_device, resolve_dtype, resolve_model_source
+    from backplane.models.config_check import check_model_memory, check_tensor_parallel
+
+    config = resolve_model_source(args).hf_config
+    check_tensor_parallel(config, args.tp_size)
+    device = resolve_device(args)
+    if device.type != "cpu":  # CUDA's free memory is read by the engine, not by this process
+        return f"device {device.type}"
+    check_model_memory(config, resolve_dtype(args, device).itemsize, available_memory(device), "cpu", args.tp_size)
+    threads, source = resolve_cpu_threads(args)
+    torch.set_num_threads(threads)
+    return f"CPU threads: {threads} ({source}; --cpu-threads N overrides)"

@@ -30,9 +30,12 @@ from backplane.engine.sampling_params import SamplingParams
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
-    g.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 8, 32])
-    g.add_argument("--input-len", type=positive_int, default=512)
-    g.add_argument("--output-len", type=positive_int, default=16)
+    g.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 8, 32],
+                   help="batch sizes to measure, one batch each (default: 1 8 32)")
+    g.add_argument("--input-len", type=positive_int, default=512,
+                   help="random prompt tokens per request, prefilled in one batch (default: 512)")
+    g.add_argument("--output-len", type=positive_int, default=16,
+                   help="decode steps timed per batch; the median step is reported (default: 16)")
     g.add_argument("--json", action="store_true", help="print one JSON document")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="decode latency against batch size")
 
@@ -173,16 +176,35 @@ def measure_speculative(engine, bs: int, input_len: int, output_len: int, seed: 
 
 
 def run_bench(ns: argparse.Namespace, args, plugin_set) -> int:
+    from backplane.cli.args import preflight
+    from backplane.distributed import WorkerFailedError
     from backplane.engine import Engine
 
-    engine = Engine(server_args=args, plugin_set=plugin_set)
+    threads = preflight(args)
     try:
-        return _bench(ns, engine)
-    finally:  # also on Ctrl-C: tensor-parallel workers stop with the command
-        engine.shutdown()
+        engine = Engine(server_args=args, plugin_set=plugin_set)
+        try:
+            return _bench(ns, engine, threads)
+        finally:  # also on Ctrl-C: tensor-parallel workers stop with the command
+            engine.shutdown()
+    except WorkerFailedError as err:  # the worker's cause, on one line (main prints it, exit 2)
+        raise ValueError(first_line(err)) from None
 
 
-def _bench(ns: argparse.Namespace, engine) -> int:
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def graph_note(runner) -> str | None:
+    """Why the report has no graph rows, or None when it has them."""
+    if runner.graph_runner is not None:
+        return None
+    if runner.device.type != "cuda":
+        return f"no graph rows: CUDA graphs need a CUDA device, this run is on {runner.device.type}"
+    return "no graph rows: CUDA graphs are off (--disable-cuda-graph, or no mode of this combination can be captured)"
+
+
+def _bench(ns: argparse.Namespace, engine, threads: str) -> int:
     args, runner, lora = engine.args, engine.runner, engine.lora_manager
     check_bench_fits(ns, runner)
     modes = [True] + ([False] if runner.graph_runner is not None else [])
@@ -196,7 +218,8 @@ def _bench(ns: argparse.Namespace, engine) -> int:
               "backends": backends, "results": rows,
               "graph": None if gr is None else {"batch_sizes": gr.sizes, "capture_s": gr.capture_seconds,
                                                 "memory_mb": gr.graph_memory_bytes / 2**20},
-              "graph_mode_limits": [m.message() for m in runner.graph_mode_limits]}
+              "graph_mode_limits": [m.message() for m in runner.graph_mode_limits],
+              "graph_note": graph_note(runner), "threads": threads}
     if engine.spec_worker is not None:
         measure_speculative(engine, 1, min(ns.input_len, 64), 4)  # warm-up
         report["speculative"] = {
@@ -215,9 +238,12 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} on {report['backends']['device']} ({report['backends']['dtype']}), "
              f"attention prefill={attn['prefill']['backend']} decode={attn['decode']['backend']}, "
              f"input {report['input_len']}, output {report['output_len']}"]
+    lines.append(report["threads"])
     if report["graph"]:
         g = report["graph"]
         lines.append(f"graphs: {len(g['batch_sizes'])} sizes captured in {g['capture_s']:.1f} s, {g['memory_mb']:.0f} MB")
+    if report["graph_note"]:
+        lines.append(report["graph_note"])
     lines += report["graph_mode_limits"]
     lines.append(f"overlap scheduling: {'on' if report['backends'].get('overlap_schedule') else 'off'} "
                  "(applies to generate; the rows below time single forwards)")

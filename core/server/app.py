@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes, /v1/models, /health, /metrics, auth, limits and error JSON.
 
-Every error leaves as OpenAI-style JSON (see errors.py) with no traceback. /v1/* needs
-`Authorization: Bearer <key>` when an API key is set; /health and /metrics never do. Import this
+Every error leaves as OpenAI-style JSON (see errors.py) with no traceback, and is logged in one line
+(4xx and 503 at warning level). /v1/* needs `Authorization: Bearer <key>` when an API key is set (a
+401 carries `WWW-Authenticate: Bearer`); /health and /metrics never do. Import this
 module only after `check_serve_dependencies()` (it imports FastAPI).
 """
 
@@ -11,6 +12,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -27,7 +29,10 @@ from backplane.server.protocol import ChatRequest, CompletionRequest, chat_messa
 from backplane.server.settings import ServeArgs
 
 logger = logging.getLogger(__name__)
+# One line per request (status and time to the response's headers); launch.py turns it on (--access-log).
+access_logger = logging.getLogger("backplane.server.access")
 
+ENGINE_STOP_S = 0.1  # how long a stopped engine process may take to exit before it is killed
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
@@ -52,7 +57,7 @@ class ServerState:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                "(the key set by --api-key or BACKPLANE_API_KEY)")
+                                "(the key set by --api-key or BACKPLANE_API_KEY)", headers={"WWW-Authenticate": "Bearer"})
 
     def accept(self, request: Any) -> None:
         self.authorize(request)
@@ -73,6 +78,9 @@ class ServerState:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise bad_request(f"request body: expected JSON, got a parse error: {err}") from None
+        except RecursionError:  # a body nested deeper than Python's parser goes
+            raise bad_request("request body: expected JSON nested at most a few hundred levels deep, "
+                              "got one nested deeper") from None
 
     def adapter_for(self, model: str | None) -> str | None:
         """None for the base model, else the LoRA adapter named by the request's `model`."""
@@ -157,6 +165,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(state, request, body, [prompt], max_tokens, formatter)
 
 
+def stop_engine(engine: Any) -> None:
+    """Stop the engine; an engine process (its requests already finished or aborted) gets
+    ENGINE_STOP_S to exit before it is killed, so the server's exit stays bounded."""
+    if engine.pid != os.getpid():
+        engine.shutdown(timeout=ENGINE_STOP_S)
+    else:  # NOTE: an engine thread is never cut off mid-step: it frees what the process still uses
+        engine.shutdown()
+
+
 def build_app(engine: Any, serve_args: ServeArgs | None = None) -> FastAPI:
     """The ASGI app over a running AsyncEngine or ProcessEngine; `app.state.server` is its ServerState."""
     state = ServerState(engine, serve_args or ServeArgs())
@@ -164,7 +181,7 @@ def build_app(engine: Any, serve_args: ServeArgs | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
         yield
-        engine.shutdown()  # after uvicorn has drained (or cancelled) every connection
+        stop_engine(engine)  # after uvicorn has drained (or cancelled) every connection
 
     app = FastAPI(title="backplane", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -172,12 +189,23 @@ def build_app(engine: Any, serve_args: ServeArgs | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Any, err: ApiError) -> Any:
         state.metrics.rejected.labels(str(err.status)).inc()
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, err.status, err.message)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Any, err: HTTPException) -> Any:  # unknown route, wrong method
-        return JSONResponse(error_body(err.status_code, f"{request.method} {request.url.path}: {err.detail}"),
-                            status_code=err.status_code)
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        logger.warning("%s %s -> %d: %s", request.method, request.url.path, err.status_code, err.detail)
+        return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
+
+    @app.middleware("http")
+    async def access_log(request: Any, call_next: Any) -> Any:
+        start = time.perf_counter()
+        response = await call_next(request)
+        client = f"{request.client.host}:{request.client.port}" if request.client else "-"
+        access_logger.info('%s "%s %s" %d %.1f ms', client, request.method, request.url.path,
+                           response.status_code, (time.perf_counter() - start) * 1e3)
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Any, err: Exception) -> Any:

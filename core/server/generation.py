@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -19,6 +20,15 @@ from backplane.server.openai_format import Choice, Formatter, sse
 RETRY_AFTER_S = "1"
 SHUTDOWN_MESSAGE = "the server is shutting down"  # the abort reason of requests cut by SIGTERM
 DONE_EVENT = b"data: [DONE]\n\n"
+_REQUEST_ID = re.compile(r"^request \d+: ")  # the engine's own request counter, meaningless to a client
+
+
+def rejection(message: str) -> ApiError:
+    """A 400 for a request the engine refuses, in the API's words: `max_tokens`, not the engine's
+    `max_new_tokens` (and then that is the param at fault), without the engine's request number."""
+    message = _REQUEST_ID.sub("", message)
+    param = "max_tokens" if "max_new_tokens" in message else "prompt"
+    return ApiError(400, message.replace("max_new_tokens", "max_tokens"), param)
 
 
 def _failure_status(error: str | None) -> int:
@@ -42,7 +52,7 @@ async def submit(engine: Any, metrics: Any, prompts: list[list[int]], params: li
     try:
         streams = await engine.start_requests([ids for ids, _ in flat], [p for _, p in flat], lora=lora)
     except RequestRejected as err:
-        raise ApiError(400, str(err).replace("max_new_tokens", "max_tokens"), "prompt") from None
+        raise rejection(str(err)) from None
     except QueueFullError as err:
         raise ApiError(503, str(err), headers={"Retry-After": RETRY_AFTER_S}) from None
     except EngineDeadError as err:

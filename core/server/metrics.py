@@ -4,7 +4,8 @@ Gauges are read from the engine at scrape time (running and waiting requests, KV
 total, their ratio, the prefix cache's size and hit rate); counters and histograms are fed by the routes as each request's chunks
 arrive (prompt and generated tokens, finished requests by reason, rejected requests by status,
 time to first token, inter-token latency, end-to-end latency). Every metric is registered in
-the app's own registry, so several apps in one process do not collide.
+the app's own registry, so several apps in one process do not collide. No `_created` series are
+exported (prometheus_client's `disable_created_metrics`, process-wide).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 class ServerMetrics:
     def __init__(self, engine: Any):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+        disable_created_metrics()  # no `_created` series: scrapers read the process start from elsewhere
         self.registry = r = CollectorRegistry()
         gauges = {
             "num_requests_running": ("requests with a request row (prefilling or decoding)", lambda: engine.num_running),

@@ -16,6 +16,7 @@ from backplane.engine.sampling_params import SamplingParams
 from backplane.server.errors import ApiError, bad_request
 
 MAX_N = 128
+SEED_RANGE = 2**64  # seeds are unsigned 64-bit integers
 
 
 class _Body(BaseModel):
@@ -35,7 +36,7 @@ class SamplingFields(_Body):
     top_k: int = -1
     min_p: float = 0.0
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=SEED_RANGE - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -130,12 +131,13 @@ def _check_supported(body: SamplingFields) -> None:
 
 
 def sampling_params(body: SamplingFields, max_tokens: int) -> list[SamplingParams]:
-    """The n SamplingParams of one prompt; copy i of a seeded request uses seed + i (distinct samples)."""
+    """The n SamplingParams of one prompt; copy i of a seeded request uses seed + i modulo 2**64
+    (distinct samples, and never a seed outside the range the client could send)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         return [SamplingParams(
             max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, seed=None if body.seed is None else body.seed + i, stop=stop,
+            min_p=body.min_p, seed=None if body.seed is None else (body.seed + i) % SEED_RANGE, stop=stop,
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
         ) for i in range(body.n)]
     except ValueError as err:  # "SamplingParams.top_p: expected ..., got ..."
