@@ -94,4 +94,5 @@ def preflight(args: EngineArgs) -> str:
     check_model_memory(config, resolve_dtype(args, device).itemsize, available_memory(device), "cpu", args.tp_size)
     threads, source = resolve_cpu_threads(args)
     torch.set_num_threads(threads)
-    return f"CPU threads: {threads} ({source}; --cpu-threads N overrides)"
+    hint = "" if source == "--cpu-threads" else "; --cpu-threads N overrides"
+    return f"CPU threads: {threads} ({source}{hint})"

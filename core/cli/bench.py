@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
-from backplane.engine.request import Req
-from backplane.engine.sampling_params import SamplingParams
+from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
+from backplane.scheduler.request import Req
+from backplane.scheduler.sampling_params import SamplingParams
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
