@@ -11,7 +11,10 @@ Callers, on any asyncio loop:
     engine.shutdown()
 
 `abort(rid)` frees the request's KV slots and request row before the next step starts; a stream
-that is closed early (`await stream.aclose()`, or a cancelled consumer) aborts its request.
+that is closed early (`await stream.aclose()`), whose consumer task is cancelled, or that is dropped
+unfinished (a `break` out of `async for`, the stream then unreferenced) aborts its request.
+While it runs, the wrapped Engine refuses `generate` (the thread owns its scheduler); an
+AsyncEngine dropped without `shutdown()` stops its thread when it is garbage collected.
 `backplane serve` runs the same loop in a process of its own instead (process_engine.py), behind
 the same interface; `--engine-in-thread` picks this class.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, Sequence
 
 from backplane.engine.engine import Engine
@@ -41,11 +45,15 @@ class AsyncEngine:
     def __init__(self, model: str | None = None, *, engine: Engine | None = None,
                  max_queued_requests: int | None = None, **kwargs: Any):
         self.engine = engine or Engine(model, **kwargs)
+        self.engine.take_over("an AsyncEngine")
         self.scheduler = self.engine.scheduler
-        self.engine_loop = EngineLoop(self.engine, deliver_by_loop, max_queued_requests)
+        # NOTE: nothing the thread holds refers back to this object or to a stream (the loop keeps
+        # weak references to them), so dropping either is seen: see _finalize and _deliver_live.
+        self.engine_loop = EngineLoop(self.engine, _deliver_live, max_queued_requests)
         self.pid = os.getpid()  # where the engine runs (the engine process's, in process_engine.py)
         self._thread = threading.Thread(target=self.engine_loop.run, name="backplane-engine", daemon=True)
         self._thread.start()
+        self._finalizer = weakref.finalize(self, _finalize, self.engine_loop, self.engine)
 
     # -- any thread -----------------------------------------------------------------------------
 
@@ -102,12 +110,21 @@ class AsyncEngine:
         """
         import asyncio
 
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("AsyncEngine.add_request: expected to be called on a running asyncio event loop "
+                               "(the loop that iterates the stream), got none; await start_requests() in a "
+                               "coroutine, or use Engine.generate from synchronous code") from None
         reqs = self.engine_loop.accept(token_lists, params, lora)
-        loop = asyncio.get_running_loop()
-        streams = [RequestStream(req.rid, len(req.prompt_ids), req.created_at, loop, self.engine.decode,
-                                 stop_holdback(req.params), on_close=self._close_stream) for req in reqs]
+        try:
+            streams = [RequestStream(req.rid, len(req.prompt_ids), req.created_at, loop, self.engine.decode,
+                                     stop_holdback(req.params), on_close=self._close_stream) for req in reqs]
+        except BaseException:
+            self.engine_loop.release(len(reqs))  # accepted, never queued: give back their queue places
+            raise
         for req, stream in zip(reqs, streams):
-            self.engine_loop.add(req.rid, req, stream)
+            self.engine_loop.add(req.rid, req, weakref.ref(stream))
         return streams
 
     async def start_requests(self, token_lists: list[list[int]], params: list[SamplingParams],
@@ -138,8 +155,22 @@ class AsyncEngine:
 
     def shutdown(self, message: str = "the server is shutting down", timeout: float = 30.0) -> None:
         """Abort every request still in flight, stop the thread and the engine; idempotent."""
+        self._finalizer.detach()
         if self._thread.is_alive():
             self.engine_loop.stop(message)
             self._thread.join(timeout)
         self.engine_loop.refuse_late_adds()
+        self.engine.hand_back()
         self.engine.shutdown()
+
+
+def _deliver_live(items: list[tuple[Any, Delta]]) -> None:
+    """The loop's publish: (weak reference to a stream, Delta) pairs to the streams still alive."""
+    deliver_by_loop([(stream, delta) for ref, delta in items if (stream := ref()) is not None])
+
+
+def _finalize(engine_loop: EngineLoop, engine: Engine) -> None:
+    """An AsyncEngine dropped without shutdown(): stop its thread (it exits after the step it is
+    in), so the thread and the engine are freed; the engine may serve `generate` again."""
+    engine_loop.stop("the AsyncEngine was dropped without shutdown()")
+    engine.hand_back()

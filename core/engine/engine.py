@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from typing import Any, Sequence
 
@@ -65,6 +66,49 @@ class Engine:
             self.lora_manager.bind_running(self.scheduler)  # the running requests' adapters stay loaded
         self._rids = itertools.count()
         self._lock = threading.Lock()  # one generate call at a time: the scheduler is not thread-safe
+        self.pid = os.getpid()
+        self.driver: str | None = None  # what else runs the scheduler (an AsyncEngine's thread), if anything
+        self._dead: str | None = None
+
+    # -- EngineClient (backplane.engine.client) ------------------------------------------------
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.context_len
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine is unusable (shut down), or None."""
+        return self._dead
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(KV slots requests hold, slots in the pool); unreferenced prefix-cache entries count as free."""
+        return self.scheduler.kv_usage
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        return self.scheduler.prefix_cache.stats()
+
+    def take_over(self, driver: str) -> None:
+        """Let `driver` (an AsyncEngine's thread) run the scheduler; `generate` is refused meanwhile."""
+        with self._lock:
+            if self.driver is not None:
+                raise RuntimeError(f"{driver}: this Engine is already driven by {self.driver}; "
+                                   "build another Engine, or shut that one down first")
+            self.driver = driver
+
+    def hand_back(self) -> None:
+        """The driver has stopped: `generate` may run the scheduler again."""
+        self.driver = None
 
     def stats(self) -> dict[str, Any]:
         """Serving counters; "prefix_cache": hit and query token counts, the hit rate, and the
@@ -78,6 +122,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""
+        self._dead = "the engine was shut down"
         tp = getattr(self, "tp", None)
         if tp is not None:
             tp.shutdown()
@@ -113,6 +158,9 @@ class Engine:
         finish_reason "abort" and `error`; the others are served normally.
         """
         with self._lock:  # concurrent callers are served one call after another
+            if self.driver is not None:
+                raise RuntimeError(f"Engine.generate: this engine is driven by {self.driver}, whose thread runs "
+                                   "its scheduler; submit there (add_request), or shut it down first")
             reqs = self._make_requests(prompts, input_ids, sampling_params, lora)
             try:
                 for req in reqs:

@@ -4,8 +4,8 @@ It owns an Engine. Any thread may check and count new requests (`accept`), queue
 and queue aborts; the loop's own thread takes the queue between steps, runs the same `Scheduler`
 step that `Engine.generate` runs (a forward that raises fails only its request, as there), and
 after every step calls `publish(items)` once with a (handle, Delta) pair for every request that
-has news. The handle is whatever the caller gave `add` (a RequestStream in a thread, the
-request's key in the engine process); the loop never looks inside it.
+has news. The handle is whatever the caller gave `add` (a weak reference to a RequestStream in a
+thread, the request's key in the engine process); the loop never looks inside it.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ class EngineLoop:
     def kv_usage(self) -> tuple[int, int]:
         """(slots requests hold, slots in the pool) of the KV pool; prefix-cache entries no request
         references count as free (eviction hands them out on demand)."""
-        pool = self.scheduler.kv_pool
-        return pool.num_slots - self.scheduler.prefix_cache.available(), pool.num_slots
+        return self.scheduler.kv_usage
 
     @property
     def prefix_cache_stats(self) -> dict[str, Any]:
@@ -105,6 +104,11 @@ class EngineLoop:
                                      f"{self.max_queued_requests} (--max-queued-requests); retry later")
             self._num_unstarted += len(reqs)
         return reqs
+
+    def release(self, num: int) -> None:
+        """Give back the queue places of `num` accepted requests that will never be added."""
+        with self._lock:
+            self._num_unstarted -= num
 
     def add(self, key: Any, req: Req, handle: Any) -> None:
         self._inbox.put(("add", key, req, handle))

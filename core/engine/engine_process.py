@@ -1,18 +1,16 @@
 """The engine process of `backplane serve`: an EngineLoop fed and drained over one Pipe.
 
 `engine_main` is the target of a spawned process (process_engine.py starts it). It builds the
-Engine from the pickled EngineArgs, answers ("ready", info) or ("failed", exception), then:
+Engine from the pickled EngineArgs, answers `Ready` or `Failed` (messages.py), then:
 
 - a receiver thread reads the server's messages as they come, so the server's sends never wait
-  for a step: ("add", batch, keys, token_lists, params, lora) is checked at once by
-  `EngineLoop.accept` (the thread-mode checks, same messages) and answered ("verdict", batch,
-  error kind or None, message) before its requests are queued; ("abort", key, message),
-  ("abort_all", message) and ("stop", message) go to the loop;
-- the main thread runs the loop; each step's news is ONE message, ("step", time, rows, stats),
-  a row per request (key, new token ids, logprobs, finish reason, error, final text, number of
-  output tokens), stats (EngineLoop.stats) at most every STATS_INTERVAL_S and whenever the
-  engine goes idle. Text is decoded by the server, so detokenization costs the engine nothing;
-- at the end, ("stopped", reason), and the process exits.
+  for a step: `AddRequests` is checked at once by `EngineLoop.accept` (the thread-mode checks,
+  same messages) and answered by a `Verdict` before its requests are queued; `Abort`,
+  `AbortAll` and `Stop` go to the loop;
+- the main thread runs the loop; each step's news is ONE `Step` message, a `StepRow` per
+  request, with EngineLoop.stats at most every STATS_INTERVAL_S and whenever the engine goes
+  idle. Text is decoded by the server, so detokenization costs the engine nothing;
+- at the end, `Stopped`, and the process exits.
 
 The process ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the server
 drains and stops it. When the server process is gone the pipe reads EOF: the loop is stopped
@@ -31,6 +29,8 @@ import time
 from typing import Any
 
 from backplane.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError, RequestRejected
+from backplane.engine.messages import (Abort, AbortAll, AddRequests, Failed, Ready, Step, StepRow, Stopped,
+                                       Verdict)
 
 STATS_INTERVAL_S = 0.01
 EXIT_GRACE_S = 5.0
@@ -48,16 +48,16 @@ def engine_main(conn: Any, args: Any, max_queued_requests: int | None, plugins: 
     try:
         engine = _build_engine(args, plugins)
     except BaseException as exc:  # noqa: BLE001 - every startup error goes back to the server as is
-        channel.send(("failed", _portable(exc)))
+        channel.send(Failed(_portable(exc)))
         return
     sender = _StepSender(channel, engine.scheduler)
     loop = EngineLoop(engine, sender, max_queued_requests)
     sender.stats = loop.stats
-    channel.send(("ready", _ready_info(engine, loop)))
+    channel.send(_ready(engine, loop))
     threading.Thread(target=_receive, args=(conn, loop, channel), name="backplane-engine-inbox", daemon=True).start()
     loop.run()
     loop.refuse_late_adds()
-    channel.send(("stopped", loop.dead))
+    channel.send(Stopped(loop.dead))
     engine.shutdown()
 
 
@@ -82,12 +82,11 @@ def _build_engine(args: Any, plugins: list[Any]) -> Any:
                   plugins=plugins)
 
 
-def _ready_info(engine: Any, loop: EngineLoop) -> dict[str, Any]:
+def _ready(engine: Any, loop: EngineLoop) -> Ready:
     """What the server needs to load the same tokenizer and answer /v1/models and /metrics."""
     runner = engine.runner
-    return {"pid": os.getpid(), "context_len": runner.context_len,
-            "tokenizer": (runner.source.path, int(runner.hf_config.vocab_size), engine.args.tokenizer_path),
-            "stats": loop.stats()}
+    return Ready(os.getpid(), runner.context_len,
+                 (runner.source.path, int(runner.hf_config.vocab_size), engine.args.tokenizer_path), loop.stats())
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -107,7 +106,7 @@ class _Channel:
         self.lock = threading.Lock()
         self.broken = False
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Any) -> None:
         if self.broken:
             return
         try:
@@ -118,7 +117,7 @@ class _Channel:
 
 
 class _StepSender:
-    """EngineLoop's publish: one ("step", ...) message per call that has news or stats due."""
+    """EngineLoop's publish: one Step message per call that has news or stats due."""
 
     def __init__(self, channel: _Channel, scheduler: Any):
         self.channel, self.scheduler = channel, scheduler
@@ -132,9 +131,9 @@ class _StepSender:
             stats, self.last_stats = self.stats(), now
         if not items and stats is None:
             return
-        rows = [(key, d.token_ids, d.logprobs, d.finish_reason, d.error, d.final_text, d.num_output_tokens)
+        rows = [StepRow(key, d.token_ids, d.logprobs, d.finish_reason, d.error, d.final_text, d.num_output_tokens)
                 for key, d in items]
-        self.channel.send(("step", items[0][1].time if items else now, rows, stats))
+        self.channel.send(Step(items[0][1].time if items else now, rows, stats))
 
 
 def _receive(conn: Any, loop: EngineLoop, channel: _Channel) -> None:
@@ -144,14 +143,14 @@ def _receive(conn: Any, loop: EngineLoop, channel: _Channel) -> None:
             message = conn.recv()
         except (EOFError, OSError):
             break
-        if message[0] == "add":
-            _admit(loop, channel, *message[1:])
-        elif message[0] == "abort":
-            loop.abort(message[1], message[2])
-        elif message[0] == "abort_all":
-            loop.abort_all(message[1])
-        else:
-            loop.stop(message[1])
+        if isinstance(message, AddRequests):
+            _admit(loop, channel, message)
+        elif isinstance(message, Abort):
+            loop.abort(message.key, message.message)
+        elif isinstance(message, AbortAll):
+            loop.abort_all(message.message)
+        else:  # Stop
+            loop.stop(message.message)
             return
     loop.stop(ORPHANED)
     timer = threading.Timer(EXIT_GRACE_S, os._exit, [1])  # a step that never ends must not keep us
@@ -159,16 +158,15 @@ def _receive(conn: Any, loop: EngineLoop, channel: _Channel) -> None:
     timer.start()
 
 
-def _admit(loop: EngineLoop, channel: _Channel, batch: int, keys: list[int], token_lists: list, params: list,
-           lora: str | None) -> None:
+def _admit(loop: EngineLoop, channel: _Channel, message: AddRequests) -> None:
     try:
-        reqs = loop.accept(token_lists, params, lora)
+        reqs = loop.accept(message.token_lists, message.params, message.lora)
     except REFUSALS as err:
-        channel.send(("verdict", batch, type(err).__name__, str(err)))
+        channel.send(Verdict(message.batch, type(err).__name__, str(err)))
         return
     except Exception as err:  # noqa: BLE001 - a malformed request must not kill the receiver
-        channel.send(("verdict", batch, "RuntimeError", f"{type(err).__name__}: {err}"))
+        channel.send(Verdict(message.batch, "RuntimeError", f"{type(err).__name__}: {err}"))
         return
-    channel.send(("verdict", batch, None, None))  # NOTE: before any step can carry these keys
-    for key, req in zip(keys, reqs):
+    channel.send(Verdict(message.batch))  # NOTE: before any step can carry these keys
+    for key, req in zip(message.keys, reqs):
         loop.add(key, req, key)

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from backplane.engine.engine_loop import EngineDeadError, QueueFullError, RequestRejected
 from backplane.engine.engine_process import engine_main
+from backplane.engine.messages import Abort, AbortAll, AddRequests, Failed, Ready, Step, Stop, Verdict
 from backplane.scheduler.sampling_params import SamplingParams
 from backplane.text.stream import Delta, RequestStream, deliver_by_loop, stop_holdback
 from backplane.text.tokenizer import decode_text, load_tokenizer
@@ -56,33 +57,35 @@ class ProcessEngine:
         child_conn.close()  # only the child holds its end: its exit reads as EOF here
         atexit.register(self._kill)
         try:
-            info = self._wait_ready()
-            self.tokenizer = load_tokenizer(*info["tokenizer"])  # the engine process loaded it too
+            ready = self._wait_ready()
+            self.tokenizer = load_tokenizer(*ready.tokenizer)  # the engine process loaded it too
         except BaseException:  # a startup error, or Ctrl-C while the model loads
             self._kill()
             raise
-        self.pid: int = info["pid"]
-        self.context_len: int = info["context_len"]
-        self._stats: dict[str, Any] = info["stats"]
+        self.pid: int = ready.pid
+        self.context_len: int = ready.context_len
+        self._stats: dict[str, Any] = ready.stats
         self.dead: str | None = None
         self._streams: dict[int, RequestStream] = {}  # by key, until the stream's last delta
         self._verdicts: dict[int, tuple[Any, asyncio.Future]] = {}  # by batch: (loop, future)
         self._lock = threading.Lock()  # the two dicts
-        self._send_lock = threading.Lock()
+        # NOTE: reentrant: a stream dropped unfinished aborts from its finaliser, which may run
+        # in this very thread in the middle of a send (pickling allocates; the send is then whole).
+        self._send_lock = threading.RLock()
         self._keys, self._batches = itertools.count(), itertools.count()
         self._reader = threading.Thread(target=self._read, name="backplane-engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self) -> dict[str, Any]:
+    def _wait_ready(self) -> Ready:
         try:
-            kind, payload = self._conn.recv()
+            message = self._conn.recv()
         except (EOFError, OSError):
             self.process.join(5)
             raise EngineDeadError(f"the engine process exited with code {self.process.exitcode} "
                                   "while starting") from None
-        if kind == "failed":
-            raise payload
-        return payload
+        if isinstance(message, Failed):
+            raise message.error
+        return message
 
     # -- the interface the server uses (AsyncEngine's) ------------------------------------------
 
@@ -122,7 +125,7 @@ class ProcessEngine:
             self._streams.update(zip(keys, streams))
             self._verdicts[batch] = (loop, verdict)
         try:
-            self._send(("add", batch, keys, token_lists, params, lora))
+            self._send(AddRequests(batch, keys, token_lists, params, lora))
             kind, message = await verdict
         except BaseException:  # cancelled (the client left) or the engine is gone
             for stream in streams:
@@ -135,12 +138,12 @@ class ProcessEngine:
 
     def abort(self, rid: int, message: str = "aborted by the client") -> None:
         """Abort a request: the engine process frees its KV before its next step; its stream ends."""
-        self._send(("abort", rid, message))
+        self._send(Abort(rid, message))
 
     def abort_all(self, message: str) -> None:
         """Abort every request in flight (any thread); nothing to do once the engine is gone."""
         try:
-            self._send(("abort_all", message))
+            self._send(AbortAll(message))
         except EngineDeadError:
             pass
 
@@ -148,7 +151,7 @@ class ProcessEngine:
         """Abort every request in flight, stop the engine process and wait for it; idempotent."""
         if self.process.is_alive():
             try:
-                self._send(("stop", message))
+                self._send(Stop(message))
             except EngineDeadError:
                 pass
             self.process.join(timeout)
@@ -157,7 +160,7 @@ class ProcessEngine:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Any) -> None:
         try:
             with self._send_lock:
                 self._conn.send(message)
@@ -190,21 +193,21 @@ class ProcessEngine:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "step":
-                self._on_step(*message[1:])
-            elif message[0] == "verdict":
-                self._on_verdict(*message[1:])
-            else:  # "stopped"
-                stopped = message[1]
+            if isinstance(message, Step):
+                self._on_step(message)
+            elif isinstance(message, Verdict):
+                self._on_verdict(message)
+            else:  # Stopped
+                stopped = message.reason
         self._on_exit(stopped)
 
-    def _on_step(self, now: float, rows: list[tuple], stats: dict[str, Any] | None) -> None:
-        if stats is not None:
-            self._stats = stats
-        items = []
+    def _on_step(self, step: Step) -> None:
+        if step.stats is not None:
+            self._stats = step.stats
+        items, now = [], step.time
         with self._lock:
             streams = self._streams
-            for key, ids, logprobs, finish_reason, error, final_text, num_output_tokens in rows:
+            for key, ids, logprobs, finish_reason, error, final_text, num_output_tokens in step.rows:
                 stream = streams.pop(key, None) if finish_reason else streams.get(key)
                 if stream is not None:
                     items.append((stream, Delta(ids, logprobs, finish_reason, error, final_text,
@@ -212,10 +215,10 @@ class ProcessEngine:
         if items:
             deliver_by_loop(items)
 
-    def _on_verdict(self, batch: int, kind: str | None, message: str | None) -> None:
+    def _on_verdict(self, verdict: Verdict) -> None:
         with self._lock:
-            loop, verdict = self._verdicts.pop(batch)
-        _resolve_soon(loop, verdict, (kind, message))
+            loop, future = self._verdicts.pop(verdict.batch)
+        _resolve_soon(loop, future, (verdict.kind, verdict.message))
 
     def _on_exit(self, stopped: str | None) -> None:
         """The pipe is closed: the engine process stopped or died; end everything still open."""

@@ -118,6 +118,12 @@ class Scheduler:
         return None
 
     @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(KV slots requests hold, slots in the pool); prefix-cache entries no request references
+        count as free (eviction hands them out on demand)."""
+        return self.kv_pool.num_slots - self.prefix_cache.available(), self.kv_pool.num_slots
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pending is not None)
 

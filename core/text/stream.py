@@ -56,7 +56,9 @@ class StreamChunk:
 class RequestStream:
     """Async iterator of one request's StreamChunks; ends after the chunk that has finish_reason.
 
-    Closing it before the end (`await stream.aclose()`) aborts the request.
+    Closing it before the end (`await stream.aclose()`) aborts the request, and so do a consumer
+    cancelled while it waits for a chunk and a stream dropped unfinished (after a `break` out of
+    `async for`, once nothing refers to it): `on_close` is called once in each case.
     """
 
     def __init__(self, rid: int, num_prompt_tokens: int, created_at: float, loop: asyncio.AbstractEventLoop,
@@ -95,6 +97,9 @@ class RequestStream:
             self._waiter = self.loop.create_future()
             try:
                 await self._waiter
+            except asyncio.CancelledError:  # the consumer is cancelled: nobody will read the rest
+                self.close()
+                raise
             finally:
                 self._waiter = None
         return self._merge(self._take())
@@ -135,6 +140,14 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # NOTE: an `async for` left by `break` never closes its iterator; the last reference going is
+        # the only sign. on_close must be safe in any thread (the engines' only queue or send).
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
+            pass
 
 
 def stop_holdback(params: Any) -> int:

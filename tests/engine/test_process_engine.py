@@ -98,3 +98,11 @@ def test_a_failing_forward_fails_only_its_request(reference):
     finally:
         engine.shutdown()
     assert not engine.process.is_alive()
+
+
+def test_process_engine_is_a_streaming_client(engine):
+    from backplane.engine.client import StreamingEngineClient
+    from test_client import check_client
+
+    check_client(engine)
+    assert isinstance(engine, StreamingEngineClient)
