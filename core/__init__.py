@@ -21,7 +21,7 @@ from backplane.plugin.registry import (
 from backplane.plugin.version import PLUGIN_API_VERSION
 from backplane.settings import EngineArgs
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "AsyncEngine": "backplane.engine",

@@ -54,6 +54,8 @@ class AttentionBackendContext:
     token_to_kv_pool: TokenToKVPool
     max_context_len: int
     options: Any = None  # the plugin's settings group (a pydantic model), if it registered one
+    # NOTE: the first release's field, kept for its plugins (deprecated: read `options` instead).
+    server_args: Any = None
 
 
 class AttentionBackend(ABC):

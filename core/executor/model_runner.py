@@ -24,6 +24,7 @@ from backplane.contracts.model import ModelOutput
 from backplane.models.base import ModelContext
 from backplane.ops.dispatch import resolve_custom_ops
 from backplane.plugin.manager import PluginSet
+from backplane.plugin.runtime import build, build_first
 from backplane.plugin.selection import AttentionRequirements, Selection, select_attention_backend
 from backplane.settings import EngineArgs
 
@@ -142,7 +143,7 @@ class ModelRunner:
         self.hf_config = self.source.hf_config
         self.model_ctx = ModelContext(
             ops=resolve_custom_ops(list(self.registry.specs("custom_op").values()),
-                                   self.device.type, args.custom_op_overrides),
+                                   self.device.type, args.custom_op_overrides, registry=self.registry, probe=True),
             dtype=self.dtype, device=self.device, parallel=self.parallel,
         )
         self.model = self._build_model()
@@ -237,7 +238,8 @@ class ModelRunner:
 
         spec = get_model_spec(self.registry.specs("model"), self.hf_config)
         with torch.device(self.device):
-            model = spec.factory(self.hf_config, self.model_ctx).to(self.dtype)
+            model = build(self.registry.provenance("model", spec.architecture), self.hf_config, self.model_ctx,
+                          kind="model").to(self.dtype)
         if self.source.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
@@ -300,22 +302,22 @@ class ModelRunner:
             "decode": select_attention_backend(self.registry, decode_name,
                                                self.attention_requirements(("decode",)), decode_flag),
         }
-        prefill = self._make_backend(choices["prefill"])
+        prefill, choices["prefill"] = build_first(choices["prefill"], self._backend_context, kind="attention")
         same = choices["decode"].spec is choices["prefill"].spec
-        decode = prefill if same else self._make_backend(choices["decode"])
+        decode, choices["decode"] = ((prefill, choices["prefill"]) if same else
+                                     build_first(choices["decode"], self._backend_context, kind="attention"))
         return (prefill if same else HybridAttnBackend(prefill, decode)), choices
 
-    def _make_backend(self, choice: Selection) -> AttentionBackend:
+    def _backend_context(self, choice: Selection) -> AttentionBackendContext:
         info = self.layer_infos[0]
         group = self.registry.options_group(choice.plugin)
-        ctx = AttentionBackendContext(
+        return AttentionBackendContext(
             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
             num_layers=len(self.layer_infos), dtype=self.dtype, device=self.device,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
             max_context_len=self.req_to_token_pool.max_context_len,
-            options=self.args.options_for(group) if group else None,
+            options=self.args.options_for(group) if group else None, server_args=self.args,
         )
-        return choice.spec.factory(ctx)
 
     # -- running --------------------------------------------------------------------------------
 

@@ -2,4 +2,4 @@
 
 from backplane.deprecation import moved_names
 
-__getattr__ = moved_names(__name__, "backplane.contracts.lora_batch", ("LoraBatchInfo"))
+__getattr__ = moved_names(__name__, "backplane.contracts.lora_batch", ("LoraBatchInfo",))
