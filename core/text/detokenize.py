@@ -7,11 +7,14 @@ while the window ends in an incomplete character, and holds back the last `holdb
 (the longest stop string minus one) until the request finishes, so everything released is a
 prefix of the final text.
 
-The window moves on after every step that decodes cleanly, including steps whose tokens decode
-to no text at all (skipped special tokens, ids outside a byte tokenizer's range): so each update
-decodes a few tokens, never the whole output. Only an incomplete character or text that changed
-under the new tokens keeps it waiting, and at most MAX_WAITING_TOKENS tokens: past that the
-window is released as it decodes (only invalid UTF-8 gets there, and its U+FFFD stays).
+The window moves on after every step that adds text, so each update decodes a few tokens, never
+the whole output. Tokens that decode to no text at all (a skipped special token, an id outside a
+byte tokenizer's range) are left out of the window instead of starting it: a window that started
+at such a token would decode the next word as the first of a text, and SentencePiece-style
+(Metaspace) decoders drop the space before a first word ('hello<special> world' would stream as
+'helloworld' while the final text is 'hello world'). Only an incomplete character or text that
+changed under the new tokens keeps the text waiting, and at most MAX_WAITING_TOKENS tokens: past
+that the window is released as it decodes (only invalid UTF-8 gets there, and its U+FFFD stays).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ class IncrementalText:
     def __init__(self, decode: Callable[[list[int]], str], holdback: int = 0):
         self.decode = decode
         self.holdback = holdback
-        self.prefix = 0  # ids[prefix:read] decode to text already in `pending` or released
-        self.read = 0
+        self.window: list[int] = []  # the last ids that added text (already in `pending` or released)
+        self.read = 0  # ids[:read] are decoded
         self.pending = ""  # decoded but held back
         self.released = 0  # characters handed out so far
 
@@ -51,11 +54,14 @@ class IncrementalText:
     def _new_text(self, ids: list[int], finished: bool) -> str:
         if len(ids) == self.read:
             return ""
-        before = self.decode(ids[self.prefix:self.read])
-        after = self.decode(ids[self.prefix:])
+        new = ids[self.read:]
+        before = self.decode(self.window)
+        after = self.decode(self.window + new)
         if not finished and self._must_wait(before, after, len(ids)):
             return ""
-        self.prefix, self.read = self.read, len(ids)
+        if after != before:
+            self.window = new  # NOTE: text-less tokens never start a window: the window keeps its text
+        self.read = len(ids)
         return after[len(before):]
 
     def _must_wait(self, before: str, after: str, num_ids: int) -> bool:
