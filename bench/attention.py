@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [row for case in cases for row in bench_case(fi, workspace, *case, ns)]
     subject = f"{ns.only or 'all'}-hd{ns.head_dim}"
     meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": ns.head_dim, "peak_tb_s": peak_bytes_per_s() / 1e12}
-    print(f"wrote {report.write_result('kernels-attention', subject, {'args': vars(ns), **meta, 'rows': rows}, ns.out)}")
+    print(f"wrote {report.write_result('attention', subject, {'args': vars(ns), **meta, 'rows': rows}, ns.out)}")
     print(report.table(rows, COLUMNS, f"peak for roofline {meta['peak_tb_s']:.2f} TB/s (measured copy)"))
     return rows
 

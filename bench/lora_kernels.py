@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in rows:
         row["verdict"] = f"fused {report.verdict(row['fused_vs_floor'], TARGET_VS_FLOOR)}, " \
                          f"folded {report.verdict(row['folded_vs_floor'], TARGET_VS_FLOOR)} (<= {TARGET_VS_FLOOR}x floor)"
-    path = report.write_result("kernels-lora", ns.model, {"args": vars(ns), "rows": rows}, ns.out, ns.device)
+    path = report.write_result("lora-kernels", ns.model, {"args": vars(ns), "rows": rows}, ns.out, ns.device)
     print(f"wrote {path}")
     print(report.table(rows, COLUMNS + [("verdict", "verdict", "")], f"{ns.model}: one layer's LoRA, µs"))
     return rows

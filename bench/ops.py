@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("bench.ops needs a CUDA GPU")
     torch._dynamo.config.cache_size_limit = 256
     rows = [bench_op(name, t, *case) for t in ns.tokens for name, case in cases(t).items()]
-    print(f"wrote {report.write_result('kernels-ops', 'llama-3.1-8b-shapes', {'args': vars(ns), 'rows': rows}, ns.out)}")
+    print(f"wrote {report.write_result('ops', 'llama-3.1-8b-shapes', {'args': vars(ns), 'rows': rows}, ns.out)}")
     print(report.table(rows, COLUMNS))
     return rows
 

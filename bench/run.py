@@ -78,6 +78,9 @@ GROUPS: dict[str, list[Job]] = {
     "attention-1b": [bench("attention-hd64", "attention", "--only", "decode", "--sweep", "--head-dim", "64",
                            "--decode-cases", "1x512", "8x512", "32x512", "32x2048")],
     "ops": [tests("ops-tests", "tests/gpu/test_ops_triton_gpu.py"), bench("ops", "ops")],
+    "graphs": [Job(f"graphs-vs-eager-{b}", ("-m", "backplane.cli", "bench", "--json", "--model", "llama-3.2-1b",
+                                            "--attention-backend", b, "--batch-size", "1", "8", "32", "64"))
+               for b in ("triton", "flashinfer")],
     "decode-1b": [bench("decode-1b", "decode", "--models", "llama-3.2-1b", "--profile", "1", "32", "--eager")],
     "decode-8b": [bench("decode-8b", "decode", "--models", "llama-3.1-8b", "--profile", "1")],
     "compile": [bench("compile", "decode", "--models", "llama-3.2-1b", "--variants", "overlap", "compiled", "--rounds", "3")],

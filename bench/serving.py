@@ -88,7 +88,6 @@ def requests_at(rate: float, ns: argparse.Namespace) -> int:
     return min(ns.num_prompts, max(MIN_REQUESTS_PER_RATE, math.ceil(rate * ns.max_duration)))
 
 
-
 def free_port() -> int:
     import socket
 
@@ -142,7 +141,6 @@ class ServerProcess:
         return code
 
 
-
 def workloads(ns: argparse.Namespace, vocab: int) -> tuple[Workload, dict[str, Workload]]:
     """The warm-up (4 output tokens each) and one workload per rate; `inf` is the full one, which the
     offline Engine runs too. Each has its own token ids: no run finds another's prompts in the
@@ -171,7 +169,6 @@ async def run_http(url: str, warmup: Workload, per_rate: dict[str, Workload], ns
             rows[name] = summarize(await run_rate(client, url, per_rate[name], rate, ns.seed + 10 + i), rate)
             print(f"rate {name}: {line_of(rows[name])}", flush=True)
         return rows
-
 
 
 def run_offline(engine_argv: list[str], warmup: Workload, work: Workload, probe_len: int,
@@ -205,7 +202,6 @@ def prefill_probe(engine, probe_len: int, ns: argparse.Namespace) -> dict:
     vocab = int(engine.runner.hf_config.vocab_size)
     times = [ttft_ms(engine, [p]) for p in prompts([probe_len] * max(ns.probes, 1), vocab, seed=ns.seed + 3000)]
     return {"input_len": probe_len, "probes": len(times), "median_ms": statistics.median(times)}
-
 
 
 def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace) -> dict:

@@ -35,7 +35,7 @@ from bench import report
 from bench.timing import wall_ms
 
 NUM_DRAFT, STEPS = 8, 7
-COMMON = dict(max_total_tokens=60000, max_running_requests=8, cuda_graph_max_bs=8)
+COMMON = dict(max_total_tokens=60000, max_running_requests=8, cuda_graph_max_bs=8, disable_radix_cache=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

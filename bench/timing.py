@@ -48,58 +48,49 @@ def events_ms(fn: Callable[[], object], reps: int = 50, warmup: int = 5) -> floa
 
 
 def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int = 50, cold: bool = False) -> float:
-    """Median microseconds of one fn() call on the device.
-
-    warm: replays of a graph holding reps_in_graph calls (warmed up on a side stream first, so lazy
-    initialisation stays out of the graph); launch gaps inside the graph count, operands stay in L2.
-    cold: time_cold(fn): operands come from HBM, as inside a model step.
-    """
+    """Median microseconds of one fn() call on the device. warm: replays of a graph of reps_in_graph
+    calls (launch gaps inside the graph count, operands stay in L2); cold: time_cold(fn)."""
     if cold:
         return time_cold(fn, reps_in_graph * 3)[0]
+    replay, _ = captured(fn, reps_in_graph)
+    return statistics.median(events_ms(replay, reps=1, warmup=0) * 1e3 / reps_in_graph for _ in range(replays))
+
+
+def time_cold(fn: Callable[[], object], reps: int = 100) -> tuple[float, str]:
+    """(median microseconds, "graph" or "eager") of one fn() call, captured, each replay after a write
+    of L2_FLUSH_BYTES with CUDA events around the replay alone: operands come from HBM as in a model
+    step. (An eager call, when capture fails, is timed the same way: the flush keeps the device busy
+    while the host launches.)"""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    call, mode = captured(fn)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        flush.zero_()
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs), mode
+
+
+def captured(fn: Callable[[], object], reps: int = 1) -> tuple[Callable[[], object], str]:
+    """(the replay of a CUDA graph of `reps` fn() calls, "graph"), warmed up on a side stream first so
+    that lazy initialisation stays out of the graph; (`reps` eager calls, "eager") when fn cannot be captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps_in_graph):
-            fn()
-    return statistics.median(events_ms(graph.replay, reps=1, warmup=0) * 1e3 / reps_in_graph for _ in range(replays))
-
-
-def time_cold(fn: Callable[[], object], reps: int = 100) -> tuple[float, str]:
-    """(median microseconds, "graph" or "eager") of one fn() call captured in a CUDA graph and replayed
-    after a write of L2_FLUSH_BYTES, CUDA events around the replay alone; a call that cannot be
-    captured is timed eagerly the same way (the flush keeps the device busy while the host launches)."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    call, mode = _captured(fn)
-    pairs = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs), mode
-
-
-def _captured(fn: Callable[[], object]) -> tuple[Callable[[], object], str]:
     try:
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
+            for _ in range(reps):
+                fn()
         return graph.replay, "graph"
     except Exception:  # noqa: BLE001 - some library calls cannot be captured; time them eagerly
         torch.cuda.synchronize()
-        return fn, "eager"
+        return (lambda: [fn() for _ in range(reps)]), "eager"
 
 
 def time_us(fn: Callable[[], object], device: torch.device, cold: bool = False) -> float:
