@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import time
@@ -62,3 +63,10 @@ def test_matrix_shards_merge_into_one_summary(tmp_path):
 def test_an_unknown_group_lists_the_groups(capsys):
     assert run.main(["no-such-group"]) == 2
     assert "decode-1b:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill", "e2e", "serving", "lora", "spec", "attention", "lora_kernels", "ops", "run"])
+def test_every_benchmark_imports_and_answers_help_without_a_gpu(name, capsys):
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(f"bench.{name}").main(["--help"])
+    assert stop.value.code == 0 and "usage:" in capsys.readouterr().out
