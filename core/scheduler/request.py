@@ -39,6 +39,7 @@ class Req:
     prefix_node: Any = None
     generator: torch.Generator | None = None
     spec_state: Any = None
+    stop_strings: Any = None  # the stop strings' matcher (stopping.StopStrings), built at the first check
     # time.perf_counter() when the request was created, got its first token, and finished
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

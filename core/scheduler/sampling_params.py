@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+MAX_STOP_STRINGS = 32  # OpenAI takes 4; a bound keeps one request from slowing its neighbours
+MAX_STOP_LENGTH = 256  # characters per stop string
 
 
 @dataclass
@@ -47,12 +50,18 @@ class SamplingParams:
         for name, expected, ok in _CHECKS:
             value = getattr(self, name)
             if not ok(value):
-                return f"SamplingParams.{name}: expected {expected}, got {value!r}"
+                return f"SamplingParams.{name}: expected {expected}, got {_shown(value)}"
         return None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _shown(value: Any) -> str:
+    """A short repr: a long list or string is cut (its length said), so the error stays one line."""
+    shown = reprlib.repr(value)
+    return f"{shown} ({len(value)} items)" if isinstance(value, (list, tuple)) and len(value) > 6 else shown
 
 
 def _int(value: Any) -> bool:
@@ -68,6 +77,10 @@ def _strings(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
 
 
+def _bounded_stops(value: Any) -> bool:
+    return len(value) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_LENGTH for s in value)
+
+
 def _token_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(_int(t) and t >= 0 for t in value)
 
@@ -81,6 +94,7 @@ _CHECKS = (
     ("min_p", "in [0, 1]", lambda v: _real(v) and 0 <= v <= 1),
     ("seed", f"None or an integer in [0, {MAX_SEED}]", lambda v: v is None or (_int(v) and 0 <= v <= MAX_SEED)),
     ("stop", "non-empty strings", _strings),
+    ("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters each", _bounded_stops),
     ("stop_token_ids", "token ids >= 0", _token_ids),
     ("ignore_eos", "True or False", lambda v: isinstance(v, bool)),
 )

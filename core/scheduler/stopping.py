@@ -1,10 +1,19 @@
-"""When a request stops: end-of-sequence, a stop token, a stop string, or max_new_tokens."""
+"""When a request stops: end-of-sequence, a stop token, a stop string, or max_new_tokens.
+
+Stop strings are matched on the tail of the output text only: after a token, the text is decoded
+over a short window of the last tokens, and each position the new characters end at is looked up
+once per distinct stop-string length (a set lookup). The cost per step depends on the longest stop
+string and the number of distinct lengths, not on the number of strings or the length of the output;
+the whole text is decoded once, when a stop string is found, to cut it there.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from backplane.scheduler.request import FinishReason, Req
+
+MARGIN = 4  # characters at a window's start that may decode differently from the whole text
 
 
 def check_stop(req: Req, eos_token_ids: set[int], detokenize: Callable[[list[int]], str]) -> bool:
@@ -20,10 +29,41 @@ def check_stop(req: Req, eos_token_ids: set[int], detokenize: Callable[[list[int
     return req.finished
 
 
+class StopStrings:
+    """One request's stop strings, grouped by length for the tail lookup."""
+
+    def __init__(self, stops: list[str]):
+        self.by_length: dict[int, frozenset[str]] = {}
+        for length in {len(s) for s in stops}:
+            self.by_length[length] = frozenset(s for s in stops if len(s) == length)
+        self.max_len = max(self.by_length)
+
+    def found_in_tail(self, ids: list[int], detokenize: Callable[[list[int]], str]) -> list[str]:
+        """The stop strings that end in the text the last token of `ids` added."""
+        num = self.max_len + MARGIN + 2
+        while True:
+            start = max(len(ids) - num, 0)
+            tail = detokenize(ids[start:])
+            if start == 0 or len(tail) >= self.max_len + 2 * MARGIN:
+                break
+            num *= 2  # tokens without text (special ones) in the window: widen it
+        new = len(tail) - len(detokenize(ids[start:-1])) + MARGIN  # NOTE: + a token may rewrite a few before it
+        first = 0 if start == 0 else MARGIN
+        hits = []
+        for end in range(max(len(tail) - new, first), len(tail) + 1):
+            for length, strings in self.by_length.items():
+                if end - length >= first and tail[end - length:end] in strings:
+                    hits.append(tail[end - length:end])
+        return hits
+
+
 def _cut_at_stop_string(req: Req, detokenize: Callable[[list[int]], str]) -> bool:
-    text = detokenize(req.output_ids)
-    hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+    if req.stop_strings is None:
+        req.stop_strings = StopStrings(req.params.stop)
+    hits = req.stop_strings.found_in_tail(req.output_ids, detokenize)
     if not hits:
         return False
-    req.text = text[: min(hits)]
+    text = detokenize(req.output_ids)
+    found = [i for i in (text.find(s) for s in hits) if i >= 0]
+    req.text = text[: min(found)] if found else text
     return True
