@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backplane.speculative.target import TargetRunner
+from backplane.speculative.request import engine_requests
+from backplane.speculative.target import TargetRunner, as_target
 
 if TYPE_CHECKING:
 
@@ -14,14 +15,19 @@ if TYPE_CHECKING:
     from backplane.plugin.registry import SpecAlgorithmSpec
     from backplane.settings import EngineArgs
 
+__all__ = ["SpecContext", "TargetRunner"]
+
 
 @dataclass
 class SpecContext:
     """What a spec algorithm's factory receives.
 
-    runner: the target model runner, as far as an algorithm reads it (TargetRunner)
+    runner: the target, as far as an algorithm reads it (a TargetView; whatever runner is given
+      is wrapped in one)
     args: the final EngineArgs; spec: the selected SpecAlgorithmSpec; plugin: the name of the
       plugin that registered the algorithm
+    options: the parsed options of the plugin's settings group (`--<group>.<option>`, or
+      `Engine(plugin_options={group: {...}})`), None when the plugin registered no group
     participants: the scheduler's own SchedulerParticipants (the LoraManager); the verify batch
       goes through their `prepare_batch(batch, reqs)` too (`prepare_target`)
     """
@@ -31,9 +37,15 @@ class SpecContext:
     spec: SpecAlgorithmSpec
     plugin: str = ""
     participants: Sequence[SchedulerParticipant] = ()
+    options: Any = None
+
+    def __post_init__(self):
+        self.runner = as_target(self.runner)
 
     def prepare_target(self, batch: Any, reqs: list) -> None:
-        """Let every participant bind its state for a target batch of `reqs` (LoRA segments)."""
+        """Let every participant bind its state for a target batch of `reqs` (SpecRequests or the
+        engine's requests; LoRA segments)."""
+        reqs = engine_requests(reqs)
         for p in self.participants:
             p.prepare_batch(batch, reqs)
 
@@ -46,6 +58,4 @@ class SpecContext:
         other pools (a draft model's), for the attention layers `layers` (AttentionLayerInfo).
         A draft's forward binds it in its ForwardContext
         (`model_ctx.bind(model_ctx.context_for(batch, attn_backend=backend))`)."""
-        from backplane.speculative.draft_parts import make_attention_backend
-
-        return make_attention_backend(self.runner, role, req_to_token_pool, token_to_kv_pool, layers)
+        return self.runner.make_attention_backend(role, req_to_token_pool, token_to_kv_pool, layers)

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
-from backplane.speculative.target import TargetRunner
+from backplane.contracts.attention import AttentionBackend
+from backplane.speculative.target import as_target
 
 
 def llama_decoder_layer(config: Any, layer_id: int, model_ctx: Any) -> nn.Module:
@@ -44,21 +44,10 @@ def load_config(path) -> Any:
     return load_hf_config(path)
 
 
-def make_attention_backend(runner: TargetRunner, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> AttentionBackend:
-    """A new instance of the target runner's `role` ("prefill"/"decode") backend over other pools."""
-    if role not in runner.attn_choices:
-        raise ValueError(f"attention role: expected one of {sorted(runner.attn_choices)}, got {role!r}")
-    choice = runner.attn_choices[role]
-    group = runner.registry.options_group(choice.plugin)
-    info = layers[0]
-    ctx = AttentionBackendContext(
-        num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-        num_layers=len(layers), dtype=runner.dtype, device=runner.device,
-        req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool,
-        max_context_len=req_to_token_pool.max_context_len,
-        options=runner.args.options_for(group) if group else None,
-    )
-    return choice.spec.factory(ctx)
+def make_attention_backend(runner: Any, role: str, req_to_token_pool, token_to_kv_pool, layers: list) -> AttentionBackend:
+    """A new instance of the target's `role` ("prefill"/"decode") backend over other pools; `runner`
+    is the model runner or its TargetView (`TargetRunner.make_attention_backend` is the same)."""
+    return as_target(runner).make_attention_backend(role, req_to_token_pool, token_to_kv_pool, layers)
 
 
 def graph_pool() -> Any:

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from backplane.contracts.protocols import SchedulerParticipant
-from backplane.speculative.context import SpecContext, TargetRunner
+from backplane.speculative.context import SpecContext
+from backplane.speculative.target import TargetView
 from backplane.speculative.worker import SpecWorker
 
 
@@ -24,18 +25,37 @@ def check_spec_settings(args: Any, plugin_set: Any) -> Any:
     if args.lora_paths and not spec.supports_lora:
         raise ValueError(f"--speculative-algorithm {name}: does not support LoRA adapters, got --lora-paths "
                          f"{','.join(args.lora_paths)}; drop one of the two")
-    if spec.needs_draft_model and not args.speculative_draft_model:
-        raise ValueError(f"--speculative-algorithm {name}: needs a draft model; pass --speculative-draft-model PATH")
+    group, options = algorithm_options(args, plugin_set.registry, spec.name)
+    if spec.needs_draft_model and not args.speculative_draft_model and not getattr(options, "draft_model", None):
+        flag = f"--{group}.draft-model" if options is not None and hasattr(options, "draft_model") else \
+            "--speculative-draft-model"
+        raise ValueError(f"--speculative-algorithm {name}: needs a draft model; pass {flag} PATH")
     if getattr(args, "speculative_token_map", None) and not spec.needs_draft_model:
         raise ValueError(f"--speculative-token-map: only algorithms with a draft model (eagle) use it; "
                          f"--speculative-algorithm is {name}")
     return spec
 
 
-def build_spec_worker(args: Any, plugin_set: Any, runner: TargetRunner,
+def algorithm_options(args: Any, registry: Any, name: str) -> tuple[str | None, Any]:
+    """(group, options) of the settings group of the plugin that registered algorithm `name`:
+    the parsed options in `args.plugin_options` (CLI, env, `Engine(plugin_options=...)`), else the
+    group's defaults overlaid by its env vars (EngineArgs built directly); (None, None) without a group."""
+    from backplane.settings import build_plugin_options
+
+    group = registry.options_group(registry.provenance("spec", name).plugin)
+    if group is None:
+        return None, None
+    options = args.options_for(group)
+    if options is None:
+        options = build_plugin_options({group: registry.items["settings"][group].item.model}, {})[group]
+    return group, options
+
+
+def build_spec_worker(args: Any, plugin_set: Any, runner: Any,
                       participants: Sequence[SchedulerParticipant] = ()) -> SpecWorker | None:
     """The worker of the selected algorithm (built by its plugin's factory), or None.
 
+    runner: the engine's model runner (the algorithm sees it through a TargetView);
     participants: the scheduler's batch participants (the LoraManager), which the worker's verify
     batches go through as well."""
     spec = check_spec_settings(args, plugin_set)
@@ -45,8 +65,10 @@ def build_spec_worker(args: Any, plugin_set: Any, runner: TargetRunner,
     from backplane.plugin.registry import Registered
     from backplane.plugin.runtime import build
 
-    return build(Registered(spec, plugin), SpecContext(runner=runner, args=args, spec=spec, plugin=plugin,
-                                    participants=tuple(participants)), kind="spec")
+    _, options = algorithm_options(args, plugin_set.registry, spec.name)
+    ctx = SpecContext(runner=TargetView(runner), args=args, spec=spec, plugin=plugin,
+                      participants=tuple(participants), options=options)
+    return build(Registered(spec, plugin), ctx, kind="spec")
 
 
 def sampling_refusal(spec: Any, req: Any) -> str | None:

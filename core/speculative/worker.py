@@ -1,20 +1,22 @@
 """The SpecWorker contract: draft a tree, verify it with the target, keep what greedy decoding keeps.
 
-The scheduler calls `decode(reqs)` instead of its plain decode step. One step:
+The scheduler calls `decode(reqs)` instead of its plain decode step, and `forward_prefill` for
+prefill batches. One step:
   1. allocate `num_draft_tokens` KV slots per request (positions num_cached ..),
-  2. `draft(reqs)` -> a DraftTree of num_draft_tokens nodes per request (node 0: the last token),
+  2. `draft(views)` -> a DraftTree of num_draft_tokens nodes per request (node 0: the last token),
   3. verify: one TARGET_VERIFY forward of every node under the tree mask at positions
      num_cached + depth, then greedy acceptance (backplane.speculative.accept); the batch
      participants (LoRA) bind their per-batch state first, so each request's nodes run under its
      own adapter,
   4. keep the accepted nodes' slots in position order, free the rest, advance num_cached,
-  5. `after_verify(...)` lets the algorithm update its per-request state.
+  5. `after_verify(views, ...)` lets the algorithm update its per-request state.
+An algorithm implements `draft` and, when it keeps state, `after_prefill` / `after_verify`; they
+receive SpecRequest views (backplane.speculative.request), never the engine's request objects.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,34 +24,18 @@ import torch
 from backplane.speculative.accept import Accepted, verify_greedy
 from backplane.speculative.context import SpecContext
 from backplane.speculative.kv import alloc_verify_slots, commit_accepted
+from backplane.speculative.request import RequestAcceptance, RequestStore, SpecRequest, engine_requests
+from backplane.speculative.stats import SpecStats
 from backplane.speculative.tree import DraftTree, verify_mask
 from backplane.speculative.verify_batch import build_verify_batch
 
 
-@dataclass
-class SpecStats:
-    """Acceptance bookkeeping: `mean_acceptance_length` is tokens gained per request per step
-    (accepted drafts + the bonus token), between 1 and num_draft_tokens."""
-
-    steps: int = 0
-    request_steps: int = 0
-    tokens: int = 0
-    histogram: dict[int, int] = field(default_factory=dict)
-
-    def add(self, accepted: list[Accepted]) -> None:
-        self.steps += 1
-        for a in accepted:
-            self.request_steps += 1
-            self.tokens += len(a.new_tokens)
-            self.histogram[len(a.new_tokens)] = self.histogram.get(len(a.new_tokens), 0) + 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.tokens / max(self.request_steps, 1)
-
-
 class SpecWorker(ABC):
-    """Base of every speculative algorithm; subclasses implement `draft`."""
+    """Base of every speculative algorithm; subclasses implement `draft`.
+
+    runner: the target (TargetRunner); num_draft_tokens: tree nodes per request and step;
+    stats: acceptance over the run (SpecStats); acceptance(req): one request's (RequestAcceptance).
+    """
 
     capture_hidden = False  # does the algorithm need the target's hidden states (EAGLE)?
     # Can a request start at a cached prefix (KV computed for another request)? None if so, else
@@ -61,6 +47,7 @@ class SpecWorker(ABC):
         self.runner = ctx.runner
         self.num_draft_tokens = ctx.num_draft_tokens
         self.stats = SpecStats()
+        self.request_store = RequestStore()  # each request's state and acceptance
         # Verify writes num_draft_tokens positions from num_cached: they must fit in a request row.
         room = self.runner.req_to_token_pool.max_context_len - min(self.runner.context_len,
                                                                    self.runner.token_to_kv_pool.num_slots)
@@ -84,37 +71,58 @@ class SpecWorker(ABC):
         """KV slots one decode step of one request needs."""
         return self.num_draft_tokens
 
-    # -- hooks ----------------------------------------------------------------------------------
+    def acceptance(self, req) -> RequestAcceptance | None:
+        """The speculative steps of one request (the engine's request or its SpecRequest) so far,
+        None before its first; kept as long as the request object lives."""
+        found = self.request_store.peek(engine_requests([req])[0])
+        return found.acceptance if found is not None else None
 
-    def forward_prefill(self, batch, reqs: list, chunks: list[int]):
-        """Run a prefill (extend) batch of the target; EAGLE keeps its hidden states."""
-        return self.runner.forward(batch)
+    def views(self, reqs: list) -> list[SpecRequest]:
+        """The SpecRequest of each of the engine's requests `reqs`."""
+        return [SpecRequest(r, self.request_store) for r in reqs]
+
+    # -- what an algorithm implements -----------------------------------------------------------
 
     @abstractmethod
-    def draft(self, reqs: list) -> DraftTree:
-        """Propose num_draft_tokens nodes per request; root = req.all_ids[-1]. Verify slots are
-        already allocated (req.slots[-1], positions num_cached ..)."""
+    def draft(self, reqs: list[SpecRequest]) -> DraftTree:
+        """Propose num_draft_tokens nodes per request; node 0 is the root, `req.last_token`, at
+        position `req.num_cached`. The verify slots of positions num_cached .. are allocated."""
 
-    def after_verify(self, reqs: list, tree: DraftTree, accepted: list[Accepted], output) -> None:
-        """Called after the accepted slots are committed (req.num_cached already advanced)."""
+    def after_prefill(self, reqs: list[SpecRequest], chunks: list[int], output) -> None:
+        """After a prefill batch of the target: request i extended by chunks[i] tokens (its
+        num_cached already counts them); output: the target's ModelOutput, with the final hidden
+        states of every token when `capture_hidden`."""
+
+    def after_verify(self, reqs: list[SpecRequest], tree: DraftTree, accepted: list[Accepted], output) -> None:
+        """Called after the accepted slots are committed (num_cached already advanced); output:
+        the verify forward's ModelOutput (hidden states of every node when `capture_hidden`)."""
 
     def init_cuda_graphs(self) -> None:
-        """Capture the algorithm's own graphs (after the target's)."""
+        """Capture the algorithm's own graphs (after the target's: `runner.graph_batch_sizes`)."""
 
-    # -- one step -------------------------------------------------------------------------------
+    # -- what the scheduler calls ---------------------------------------------------------------
+
+    def forward_prefill(self, batch, reqs: list, chunks: list[int]):
+        """Run a prefill (extend) batch of the target for the engine's `reqs`, then `after_prefill`."""
+        self.request_store.prune()
+        output = self.runner.forward(batch, capture_hidden=self.capture_hidden)
+        self.after_prefill(self.views(reqs), chunks, output)
+        return output
 
     def decode(self, reqs: list) -> list[tuple[list[int], list[float]]]:
-        """One speculative step for `reqs`; per request (new tokens, their log-probabilities)."""
+        """One speculative step for the engine's `reqs`; per request (new tokens, their log-probabilities)."""
         assert all(r.params.is_greedy for r in reqs), "speculative decoding here is greedy only"
-        runner = self.runner
+        self.request_store.prune()
+        runner, views = self.runner, self.views(reqs)
         alloc_verify_slots(reqs, self.num_draft_tokens, runner.token_to_kv_pool, runner.req_to_token_pool)
-        tree = self.draft(reqs)
+        tree = self.draft(views)
         accepted, logprobs, output = self.verify(reqs, tree)
-        self.after_verify(reqs, tree, accepted, output)
+        self.after_verify(views, tree, accepted, output)
         return [(a.new_tokens, [lp[n] for n in a.path]) for a, lp in zip(accepted, logprobs)]
 
     def verify(self, reqs: list, tree: DraftTree) -> tuple[list[Accepted], list[list[float]], Any]:
-        """Run the target over the tree, accept greedily and commit the KV slots."""
+        """Run the target over the tree, accept greedily and commit the KV slots (the core's part
+        of a step: `reqs` are the engine's requests)."""
         bs, n = tree.batch_size, tree.num_nodes
         prefix = [r.num_cached for r in reqs]
         mask, indptr = verify_mask(tree, prefix)
@@ -138,5 +146,13 @@ class SpecWorker(ABC):
         accepted = verify_greedy(tree, choice.to(torch.int64))
         commit_accepted(reqs, [a.path for a in accepted], self.runner.token_to_kv_pool,
                         self.runner.req_to_token_pool)
-        self.stats.add(accepted)
+        self._count(reqs, accepted)
         return accepted, logprobs.tolist(), output
+
+    def _count(self, reqs: list, accepted: list[Accepted]) -> None:
+        self.stats.add(accepted)
+        for req, a in zip(reqs, accepted):
+            counts = self.request_store.entry(req).acceptance
+            counts.steps += 1
+            counts.accepted_drafts += a.num_accepted_drafts
+            counts.tokens += len(a.new_tokens)

@@ -1,6 +1,12 @@
-"""Speculative algorithm "eagle": an EAGLE draft head drafts a top-k tree from the target's features."""
+"""Speculative algorithm "eagle": an EAGLE draft head drafts a top-k tree from the target's features.
+
+Its options are the settings group "eagle" (`--eagle.draft-model`, `--eagle.num-steps`,
+`--eagle.topk`, `--eagle.token-map`; see options.py).
+"""
 
 from backplane import SpecAlgorithmSpec, hookimpl
+
+from .options import GROUP, EagleOptions
 
 
 def _factory(ctx):
@@ -18,3 +24,8 @@ def backplane_register_spec_algorithms(register):
         # head runs without them, on the target's adapted hidden states.
         needs_draft_model=True, supports_lora=True, supports_sampling=False,
     ))
+
+
+@hookimpl
+def backplane_register_settings(register):
+    register(GROUP, EagleOptions)

@@ -29,7 +29,7 @@ class DraftGraphRunner:
         self.worker = worker
         runner = worker.runner
         self.topk, self.window = worker.topk, worker.window
-        self.sizes = list(runner.graph_runner.sizes)
+        self.sizes = list(runner.graph_batch_sizes)
         self.pool = pool if pool is not None else graph_pool()
         max_bs = max(self.sizes)
         self.inputs = worker.window_inputs(max_bs)
@@ -82,7 +82,7 @@ class DraftGraphRunner:
     def replay(self, reqs: list) -> Candidates:
         bs = len(reqs)
         pbs = padded_size(bs, self.sizes)
-        self.inputs.load(reqs, [r.spec_state for r in reqs], pbs)
+        self.inputs.load(reqs, [r.state for r in reqs], pbs)
         self._refresh(pbs)
         self.graphs[pbs].replay()
         out = self.outputs[pbs]

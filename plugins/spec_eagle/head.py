@@ -7,7 +7,7 @@ A checkpoint directory holds config.json (Llama-like, one layer) and safetensors
 `fc.weight` [hidden, 2 * hidden] (optionally `fc.bias`) and `layers.0.*` (or `model.layers.0.*`).
 Optional: `embed_tokens.weight` (else the target's embedding is shared), `layers.0.input_layernorm`
 (EAGLE checkpoints usually drop it: identity), `norm.weight` (else the feature is the residual sum).
-A token map (`--speculative-token-map`, a saved list of token ids as SGLang takes) restricts the
+A token map (`--eagle.token-map`, a saved list of token ids as SGLang takes) restricts the
 draft to those tokens: the lm_head keeps their rows only, which each draft step then reads.
 """
 
@@ -77,21 +77,21 @@ class EagleHead(nn.Module):
         self.hot_weight = weight.index_select(0, self.hot_ids).contiguous()
 
 
-def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+def load_token_map(path: str, vocab_size: int, flag: str = "--eagle.token-map") -> torch.Tensor:
     """The token ids of a token map file (a saved tensor or list of ids, as SGLang's), sorted and
-    without duplicates; a clear ValueError for a missing file or ids outside the vocabulary."""
+    without duplicates; a clear ValueError naming `flag` for a missing file or ids outside the vocabulary."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ValueError(f"--speculative-token-map {path!r}: no such file; expected a .pt file holding a "
+        raise ValueError(f"{flag} {path!r}: no such file; expected a .pt file holding a "
                          "tensor or list of token ids")
     try:
         ids = torch.as_tensor(torch.load(file, map_location="cpu", weights_only=True), dtype=torch.int64).view(-1)
     except Exception as exc:  # noqa: BLE001 - any unreadable content gets the same clear message
-        raise ValueError(f"--speculative-token-map {path!r}: expected a tensor or list of token ids saved with "
+        raise ValueError(f"{flag} {path!r}: expected a tensor or list of token ids saved with "
                          f"torch.save, could not read it: {type(exc).__name__}: {exc}") from exc
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         got = f"{ids.numel()} ids" + (f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else "")
-        raise ValueError(f"--speculative-token-map {path!r}: expected token ids in [0, {vocab_size}), got {got}")
+        raise ValueError(f"{flag} {path!r}: expected token ids in [0, {vocab_size}), got {got}")
     return torch.unique(ids)
 
 
@@ -102,21 +102,22 @@ def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_eagle_head(path: str, target, model_ctx) -> EagleHead:
-    """Build an EagleHead from the checkpoint directory `path`, sharing the target's embedding and lm_head."""
+def load_eagle_head(path: str, target, model_ctx, flag: str = "--eagle.draft-model") -> EagleHead:
+    """Build an EagleHead from the checkpoint directory `path`, sharing the target's embedding and
+    lm_head; a bad checkpoint is a ValueError naming `flag`."""
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
-        raise ValueError(f"--speculative-draft-model {path!r}: expected a directory with config.json and "
+        raise ValueError(f"{flag} {path!r}: expected a directory with config.json and "
                          "safetensors (the EAGLE checkpoint layout)")
     config = load_config(folder)
     if int(config.num_hidden_layers) != 1 or int(config.hidden_size) != int(target.hidden_size):
-        raise ValueError(f"--speculative-draft-model {path!r}: expected one layer of hidden size "
+        raise ValueError(f"{flag} {path!r}: expected one layer of hidden size "
                          f"{target.hidden_size} (the target's), got {config.num_hidden_layers} layers of "
                          f"{config.hidden_size}")
     tensors = _checkpoint_tensors(folder)
     tensors.pop("lm_head.weight", None)  # the target's lm_head is used
     if "fc.weight" not in tensors:
-        raise ValueError(f"--speculative-draft-model {path!r}: no 'fc.weight' tensor; got {sorted(tensors)[:6]}")
+        raise ValueError(f"{flag} {path!r}: no 'fc.weight' tensor; got {sorted(tensors)[:6]}")
     with torch.device(model_ctx.device):
         head = EagleHead(config, model_ctx, target, own_embedding="embed_tokens.weight" in tensors,
                          input_norm="layers.0.input_layernorm.weight" in tensors,

@@ -58,14 +58,14 @@ class WindowInputs:
     # -- host ---------------------------------------------------------------------------------
 
     def load(self, reqs: list, states: list | None, pbs: int) -> None:
-        """Fill the buffers for `reqs` padded to `pbs` requests (no request: padding only), copy
+        """Fill the buffers for `reqs` (SpecRequests) padded to `pbs` requests (no request: padding only), copy
         them to the device and write the draft's request rows; `states` give the features."""
         bs, T, k, D = len(reqs), self.window, self.topk, self.depths
         h, n, pn = self.h, bs * k, pbs * k
         if bs > 0:
             roots = torch.tensor([r.num_cached for r in reqs])
             target_rows = torch.tensor([r.row for r in reqs])
-            h["ids"][: bs * T] = torch.tensor([r.all_ids[-T:] for r in reqs]).view(-1)
+            h["ids"][: bs * T] = torch.tensor([r.tokens(r.num_tokens - T) for r in reqs]).view(-1)
             h["positions"][: bs * T] = (roots[:, None] + torch.arange(1 - T, 1)).view(-1)
             h["target_rows"][:bs] = target_rows
             beam_rows = self.memory.beam_rows(target_rows.tolist())

@@ -2,7 +2,7 @@
 
 Alignment: the draft sees token t_q at position q together with the target's feature of position
 q - 1 (zeros at q = 0), so its KV for position q lives in the slot of the target's KV for q.
-Per request, `spec_state` keeps the target features of the positions before the root (the last
+Per request, the view's `state` (an EagleState) keeps the target features of the positions before the root (the last
 `window = num_steps + 1` of them at least, and every one the draft has not consumed yet). One step:
   1. draft extend over the pending tokens (the last one is the root, at position num_cached):
      in steady state over a fixed window of the last `window` tokens (window.py), else over
@@ -22,12 +22,13 @@ import torch
 from backplane import ForwardBatch, ForwardMode
 from backplane.layers import Attention
 from backplane.models import ModelContext
-from backplane.speculative import DraftTree, SpecWorker
+from backplane.speculative import DraftTree, SpecRequest, SpecWorker
 
 from .beams import Beams, Candidates, StepInputs, run_beam_steps
 from .draft_attention import DraftAttention
 from .head import load_eagle_head, load_token_map
 from .memory import DraftMemory
+from .options import resolve_options
 from .window import WindowInputs, run_window_draft
 
 
@@ -50,8 +51,9 @@ class EagleWorker(SpecWorker):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        args, runner = ctx.args, ctx.runner
-        self.topk, self.num_steps = int(args.speculative_eagle_topk), int(args.speculative_num_steps)
+        runner = ctx.runner
+        self.options, flags = resolve_options(ctx.options, ctx.args)  # --eagle.* (or the deprecated flags)
+        self.topk, self.num_steps = self.options.topk, self.options.num_steps
         self.window = self.num_steps + 1  # the most tokens one verify accepts (the tree's depth + 1)
         most = self.topk + (self.num_steps - 1) * self.topk ** 2
         if self.num_draft_tokens - 1 > most:
@@ -59,9 +61,10 @@ class EagleWorker(SpecWorker):
                              f"(1 + topk + (num_steps - 1) * topk^2 for topk {self.topk}, num_steps {self.num_steps})")
         self.model_ctx = ModelContext(ops=runner.model_ctx.ops, dtype=runner.dtype, device=runner.device,
                                       parallel=runner.model_ctx.parallel)
-        self.head = load_eagle_head(args.speculative_draft_model, runner.model, self.model_ctx)
-        if getattr(args, "speculative_token_map", None):
-            self.head.restrict_vocabulary(load_token_map(args.speculative_token_map, self.head.vocab_size))
+        self.head = load_eagle_head(self.options.draft_model, runner.model, self.model_ctx, flags["draft_model"])
+        if self.options.token_map:
+            ids = load_token_map(self.options.token_map, self.head.vocab_size, flags["token_map"])
+            self.head.restrict_vocabulary(ids)
         infos = [m.info for m in self.head.modules() if isinstance(m, Attention)]
         self.memory = DraftMemory(runner, infos[0], self.topk, self.num_steps)
         mem = self.memory
@@ -82,9 +85,9 @@ class EagleWorker(SpecWorker):
     def init_cuda_graphs(self) -> None:
         """Capture the steady-state draft as one graph per batch size, when the target runs graphs
         and the backends declare DRAFT_EXTEND and DECODE graphs."""
-        choices = self.runner.attn_choices
-        if self.runner.graph_runner is None or "draft_extend" not in choices["prefill"].spec.graph_modes or (
-                self.num_steps > 1 and "decode" not in choices["decode"].spec.graph_modes):
+        target = self.runner
+        if not target.graph_batch_sizes or not target.can_capture("draft_extend") or (
+                self.num_steps > 1 and not target.can_capture("decode")):
             return
         from .graph import DraftGraphRunner
 
@@ -99,24 +102,22 @@ class EagleWorker(SpecWorker):
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def forward_prefill(self, batch, reqs: list, chunks: list[int]):
-        output = self.runner.forward(batch, capture_hidden=True)
+    def after_prefill(self, reqs: list[SpecRequest[EagleState]], chunks: list[int], output) -> None:
+        """Keep the target's features of the prefilled tokens (a first chunk starts a new state)."""
         offset = 0
         for req, n in zip(reqs, chunks):
             features = output.hidden_states[offset:offset + n]
             offset += n
             first = req.num_cached - n  # the scheduler has advanced num_cached already
-            if first == 0 or req.spec_state is None:
+            if first == 0 or req.state is None:
                 zeros = features.new_zeros((1, features.shape[1]))  # no feature before position 0
-                req.spec_state = EagleState(start=0, features=zeros)
-            state = req.spec_state
-            state.features = torch.cat([state.features, features])
-        return output
+                req.state = EagleState(start=0, features=zeros)
+            req.state.features = torch.cat([req.state.features, features])
 
     # -- draft ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def draft(self, reqs: list) -> DraftTree:
+    def draft(self, reqs: list[SpecRequest[EagleState]]) -> DraftTree:
         if all(self._fits_window(r) for r in reqs):
             if self.graphs is not None and self.graphs.can_run(len(reqs)):
                 candidates = self.graphs.replay(reqs)
@@ -124,7 +125,7 @@ class EagleWorker(SpecWorker):
                 candidates = self._draft_window_eager(reqs)
         else:
             candidates = self._draft_pending(reqs)
-        roots = [r.all_ids[-1] for r in reqs]
+        roots = [r.last_token for r in reqs]
         if self.topk == 1:
             return self._chain(roots, candidates)
         return select_tree(roots, candidates, self.num_draft_tokens)
@@ -139,15 +140,15 @@ class EagleWorker(SpecWorker):
         parents = (torch.arange(n, dtype=torch.int64) - 1).expand(len(roots), n).clone()
         return DraftTree(None, parents, device_tokens=tokens)
 
-    def _fits_window(self, req) -> bool:
-        state = req.spec_state
+    def _fits_window(self, req: SpecRequest[EagleState]) -> bool:
+        state = req.state
         return state.features.shape[0] >= self.window and req.num_cached + 1 - state.start <= self.window
 
     def _draft_window_eager(self, reqs: list) -> Candidates:
         if self._eager_inputs is None or self._eager_inputs.max_bs < len(reqs):
             self._eager_inputs = self.window_inputs(max(len(reqs), 8))
         inputs = self._eager_inputs
-        inputs.load(reqs, [r.spec_state for r in reqs], len(reqs))
+        inputs.load(reqs, [r.state for r in reqs], len(reqs))
         return run_window_draft(self.head, inputs, len(reqs), self.attention)
 
     def _draft_pending(self, reqs: list) -> Candidates:
@@ -169,7 +170,7 @@ class EagleWorker(SpecWorker):
     def _extend(self, reqs: list):
         """Draft extend over each request's pending tokens; the root's top-k (tokens, scores) and feature."""
         mem, device = self.memory, self.runner.device
-        states = [r.spec_state for r in reqs]
+        states = [r.state for r in reqs]
         starts, ends = [s.start for s in states], [r.num_cached + 1 for r in reqs]
         lens = [e - s for s, e in zip(starts, ends)]
         for st, n in zip(states, lens):
@@ -181,7 +182,7 @@ class EagleWorker(SpecWorker):
         for j in range(self.topk):
             mem.write_rows(target_rows * self.topk + j, positions, slots)
         self._write_scratch_columns(beam_rows, torch.tensor(ends) - 1)
-        input_ids = [t for r, s in zip(reqs, starts) for t in r.all_ids[s:]]
+        input_ids = [t for r, s in zip(reqs, starts) for t in r.tokens(s)]
         batch = _extend_batch(reqs, input_ids, positions, beam_rows[:: self.topk], starts, lens, slots, mem)
         pending = torch.cat([s.features[-n:] for s, n in zip(states, lens)])
         with self.attention.extend_pass(batch):
@@ -211,14 +212,14 @@ class EagleWorker(SpecWorker):
 
     # -- after verify ---------------------------------------------------------------------------
 
-    def after_verify(self, reqs: list, tree: DraftTree, accepted: list, output) -> None:
+    def after_verify(self, reqs: list[SpecRequest[EagleState]], tree: DraftTree, accepted: list, output) -> None:
         hidden = output.hidden_states.view(len(reqs), tree.num_nodes, -1)
         for b, (req, acc) in enumerate(zip(reqs, accepted)):
             start = req.num_cached - len(acc.path) + 1  # the old root's position + 1
             path = torch.tensor(acc.path).to(hidden.device, non_blocking=True)
             # The old features end at the old root - 1; the path's continue from the old root.
-            kept = torch.cat([req.spec_state.features, hidden[b].index_select(0, path)])
-            req.spec_state = EagleState(start=start, features=kept[-max(len(acc.path), self.window):])
+            kept = torch.cat([req.state.features, hidden[b].index_select(0, path)])
+            req.state = EagleState(start=start, features=kept[-max(len(acc.path), self.window):])
 
 
 def _extend_batch(reqs, input_ids, positions, rows, starts, lens, slots, mem: DraftMemory) -> ForwardBatch:

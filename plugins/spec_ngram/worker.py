@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backplane.speculative import DraftTree, SpecWorker
+from backplane.speculative import DraftTree, SpecRequest, SpecWorker
 
 MAX_NGRAM = 4
 MIN_NGRAM = 1
@@ -32,11 +32,11 @@ def lookup(ids: list[int], num: int, max_ngram: int = MAX_NGRAM, min_ngram: int 
 class NgramWorker(SpecWorker):
     """Prompt-lookup drafts as chains, verified by the shared greedy path."""
 
-    def draft(self, reqs: list) -> DraftTree:
+    def draft(self, reqs: list[SpecRequest]) -> DraftTree:
         num = self.num_draft_tokens - 1
         rows = []
         for req in reqs:
-            ids = req.all_ids
+            ids = req.token_ids
             proposal = lookup(ids, num)
             rows.append([ids[-1]] + proposal + [ids[-1]] * (num - len(proposal)))
         return DraftTree.chain(torch.tensor(rows, dtype=torch.int64))

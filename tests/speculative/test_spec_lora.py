@@ -60,7 +60,7 @@ def test_spec_with_lora_equals_plain_lora(world, algorithm, lora_backend):
     want = _generate(_engine(world, lora_backend), max_new)
     spec = _engine(world, lora_backend, **_spec_kwargs(world, algorithm))
     ctx = spec.spec_worker.ctx
-    assert ctx.runner is spec.runner and tuple(ctx.participants) == (spec.lora_manager,)
+    assert ctx.runner.model is spec.runner.model and tuple(ctx.participants) == (spec.lora_manager,)
     verify_segments = []
     original = spec.lora_manager.prepare_batch
 

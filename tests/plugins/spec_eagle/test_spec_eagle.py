@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from backplane import Engine, SamplingParams
+from backplane.plugin.runtime import PluginRuntimeError
 from helpers_models import make_hf_model, tiny_hf_config, unused_slots
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -67,11 +68,19 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(3, 290) for _ in range(rng.randint(1, 30))] for _ in range(count)]
 
 
+# The 0.1 flags these tests were written with, and the "eagle" group's options that replace them.
+NEW_NAMES = {"speculative_num_steps": "num_steps", "speculative_eagle_topk": "topk",
+             "speculative_token_map": "token_map", "speculative_draft_model": "draft_model"}
+
+
 def _engines(path, head, **spec):
+    """A plain engine and an EAGLE one; EAGLE's options go through the "eagle" settings group."""
     kw = dict(device="cpu", dtype="float32", attention_backend="torch_native", max_total_tokens=2048,
               max_running_requests=12)
     plain = Engine(str(path), **kw)
-    eagle = Engine(str(path), speculative_algorithm="eagle", speculative_draft_model=head, **kw, **spec)
+    options = {NEW_NAMES[k]: spec.pop(k) for k in list(spec) if k in NEW_NAMES}
+    eagle = Engine(str(path), speculative_algorithm="eagle", plugin_options={"eagle": {"draft_model": head, **options}},
+                   **kw, **spec)
     return plain, eagle
 
 
@@ -149,9 +158,9 @@ def test_pool_returns_to_start_under_preemption(target, exact_head):
 
 
 def test_bad_draft_model_is_a_clear_error(target, tmp_path):
-    with pytest.raises(ValueError, match="--speculative-algorithm eagle: needs a draft model"):
+    with pytest.raises(ValueError, match="--speculative-algorithm eagle: needs a draft model; pass --eagle.draft-model"):
         Engine(str(target[0]), device="cpu", speculative_algorithm="eagle")
-    with pytest.raises(ValueError, match="expected a directory with config.json"):
+    with pytest.raises(PluginRuntimeError, match="--speculative-draft-model .*expected a directory with config.json"):
         Engine(str(target[0]), device="cpu", speculative_algorithm="eagle", speculative_draft_model=str(tmp_path))
 
 
@@ -209,9 +218,9 @@ def test_token_map_restricts_the_draft_vocabulary(target, exact_head, tmp_path):
 def test_bad_token_map_is_a_clear_error(target, exact_head, tmp_path):
     bad = tmp_path / "bad.pt"
     torch.save(torch.tensor([1, 2, 10 ** 6]), bad)
-    with pytest.raises(ValueError, match=r"--speculative-token-map .*expected token ids in \[0, "):
+    with pytest.raises(PluginRuntimeError, match=r"--eagle.token-map .*expected token ids in \[0, "):
         _engines(target[0], exact_head, speculative_token_map=str(bad))
-    with pytest.raises(ValueError, match="--speculative-token-map .*no such file"):
+    with pytest.raises(PluginRuntimeError, match="--eagle.token-map .*no such file"):
         _engines(target[0], exact_head, speculative_token_map=str(tmp_path / "missing.pt"))
     with pytest.raises(ValueError, match="--speculative-token-map: only algorithms with a draft model"):
         Engine(str(target[0]), device="cpu", speculative_algorithm="ngram", speculative_token_map=str(bad))
