@@ -68,11 +68,8 @@ def measure_backend(ns: argparse.Namespace, model: str, backend: str, tb_s: floa
     """Rows (one per variant and batch size) and each variant's graph capture, engines built side by side."""
     engines = {v: build_engine(ns, model, backend, v) for v in ns.variants}
     floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
-    samples = {(v, bs): [] for v in engines for bs in ns.batch_sizes}
-    for _ in range(ns.rounds):
-        for bs in ns.batch_sizes:
-            for v in engines:
-                samples[(v, bs)].append(steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
+    samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds,
+                                lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
     rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms) | {"model": model, "backend": backend, "variant": v,
                                                                         "floor_ms": floor}
             for (v, bs), ms in samples.items()]

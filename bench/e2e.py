@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 
 import torch
 
 from backplane import Engine, SamplingParams
 from bench import report
-from bench.timing import MATMUL_PEAK_FLOP_S, copy_bandwidth_tb_s, sync
+from bench.steps import timed_generate
+from bench.timing import MATMUL_PEAK_FLOP_S, copy_bandwidth_tb_s
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
 COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("cache", "cache", ""), ("tok/s", "tok_s", ".0f"),
@@ -77,14 +77,8 @@ def timed_run(engine: Engine, batch: list[list[int]], params: list[SamplingParam
     engine.scheduler.prefix_cache.clear()
     engine.runner.token_to_kv_pool.sort_free()
     before = engine.stats()["prefix_cache"]["prefill_tokens"]
-    sync(engine.runner.device)
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=batch, sampling_params=params)
-    sync(engine.runner.device)
-    errors = [o.error for o in outs if o.error]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
-    return time.perf_counter() - start, outs, engine.stats()["prefix_cache"]["prefill_tokens"] - before
+    seconds, outs = timed_generate(engine, batch, params)
+    return seconds, outs, engine.stats()["prefix_cache"]["prefill_tokens"] - before
 
 
 def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float) -> dict:

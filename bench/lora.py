@@ -90,13 +90,11 @@ def read_floor_ratio(model: str, rank: int, bs: int, adapters: int, folded: bool
 
 
 def measure(ns: argparse.Namespace, engines: dict) -> list[dict]:
-    samples = {(name, bs): [] for name in engines for bs in ns.batch_sizes}
-    for _ in range(ns.rounds):
-        for bs in ns.batch_sizes:
-            names = [f"a{i % ns.adapters}" for i in range(bs)]
-            for name, (engine, rank) in engines.items():
-                lora = names if rank is not None else None
-                samples[(name, bs)].append(steps.engine_step_ms(engine, bs, ns.input_len, ns.steps, lora))
+    def adapters(name: str, bs: int) -> list[str] | None:  # request i on adapter i mod N, on a LoRA engine
+        return [f"a{i % ns.adapters}" for i in range(bs)] if engines[name][1] is not None else None
+
+    samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds, lambda name, bs: steps.engine_step_ms(
+        engines[name][0], bs, ns.input_len, ns.steps, adapters(name, bs)))
     rows = []
     for (name, bs), ms in samples.items():
         engine, rank = engines[name]
@@ -109,8 +107,7 @@ def measure(ns: argparse.Namespace, engines: dict) -> list[dict]:
         row["verdict"] = "" if not target else f"{report.verdict(row['x_base'], target)} (<= {target}x)" \
             if ns.device == "cuda" else "n/a (not a GPU run)"
         if ns.profile and bs == min(ns.batch_sizes):
-            names = [f"a{i % ns.adapters}" for i in range(bs)]
-            row["profile"] = steps.profile_step(engine, bs, ns.input_len, lora=names if rank is not None else None)
+            row["profile"] = steps.profile_step(engine, bs, ns.input_len, lora=adapters(name, bs))
         rows.append(row)
     return sorted(rows, key=lambda r: r["batch_size"])
 

@@ -20,9 +20,9 @@ import statistics
 
 import torch
 
-from backplane import Engine, SamplingParams
-from bench import peer, report
-from bench.timing import MATMUL_PEAK_FLOP_S, wall_ms
+from backplane import Engine
+from bench import peer, report, steps
+from bench.timing import MATMUL_PEAK_FLOP_S
 from bench.workload import model_sizes, prompts
 
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("bs", "batch_size", "d"), ("length", "length", "d"),
@@ -51,8 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def ttft_ms(engine: Engine, batch: list[list[int]]) -> float:
     """Wall ms of generate() with one output token per prompt, the device synchronised."""
-    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    return wall_ms(lambda: engine.generate(input_ids=batch, sampling_params=one), engine.runner.device, 1, 0)
+    return steps.timed_generate(engine, batch, steps.greedy(1))[0] * 1e3
 
 
 def engine_prefill_ms(engine: Engine, bs: int, length: int, repeats: int) -> float:

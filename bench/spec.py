@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from backplane import Engine, SamplingParams
-from bench import report
+from bench import report, steps
 from bench.timing import wall_ms
 
 NUM_DRAFT, STEPS = 8, 7
@@ -77,13 +77,12 @@ def write_checkpoints(folder: Path, model: str, dtype: torch.dtype, device: str,
 
 def tokens_per_s(engine: Engine, prompt: list[int], n: int) -> dict:
     """Greedy generation of n tokens at batch 1: tokens/s, and the acceptance length under speculation."""
-    params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
-    engine.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=16, temperature=0))
+    engine.generate(input_ids=[prompt], sampling_params=steps.greedy(16))  # warm-up
     stats = getattr(engine.spec_worker, "stats", None)
     before = (stats.tokens, stats.request_steps) if stats else (0, 0)
-    ms = wall_ms(lambda: engine.generate(input_ids=[prompt], sampling_params=params), engine.runner.device, 1, 0)
+    seconds, _ = steps.timed_generate(engine, [prompt], steps.greedy(n))
     accepted = (stats.tokens - before[0]) / max(stats.request_steps - before[1], 1) if stats else None
-    return {"tok_s": n / ms * 1e3, "acceptance_length": accepted}
+    return {"tok_s": n / seconds, "acceptance_length": accepted}
 
 
 @torch.inference_mode()

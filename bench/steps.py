@@ -5,6 +5,7 @@ and the device's idle gaps. (`backplane bench` times a one-batch step eager and 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from backplane import Engine, SamplingParams
 from bench.timing import device_gaps, device_kernels, events_ms, profiled, sync
@@ -16,17 +17,36 @@ def prompts_for(engine: Engine, bs: int, context: int) -> list[list[int]]:
     return [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
 
 
-def _generate(engine: Engine, prompts, n: int, lora=None) -> float:
-    """Seconds of one generate call of n tokens per prompt (greedy, ignore_eos), device synchronised."""
-    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def timed_generate(engine: Engine, prompts, params, lora=None) -> tuple[float, list]:
+    """(seconds, outputs) of one generate call, the device synchronised around it; a RuntimeError
+    naming the first error when a request failed."""
     sync(engine.runner.device)
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params, lora=lora)
     sync(engine.runner.device)
-    bad = [o.error for o in outs if o.error or len(o.token_ids) != n]
-    if bad:
-        raise RuntimeError(f"expected {n} tokens from every request, got an error or fewer: {bad[0]}")
-    return time.perf_counter() - start
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(outs)} requests failed, first: {errors[0]}")
+    return time.perf_counter() - start, outs
+
+
+def _generate(engine: Engine, prompts, n: int, lora=None) -> float:
+    return timed_generate(engine, prompts, greedy(n), lora)[0]
+
+
+def interleaved(engines: dict, batch_sizes: list[int], rounds: int, step: Callable[[str, int], float]) -> dict:
+    """{(name, bs): [step(name, bs) of each round]} over every engine and batch size, in `rounds`
+    interleaved rounds, so that host noise hits every engine alike."""
+    samples = {(name, bs): [] for name in engines for bs in batch_sizes}
+    for _ in range(rounds):
+        for bs in batch_sizes:
+            for name in engines:
+                samples[(name, bs)].append(step(name, bs))
+    return samples
 
 
 def engine_step_ms(engine: Engine, bs: int, context: int, steps: int, lora=None) -> float:
