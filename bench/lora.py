@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = measure(ns, engines)
         summaries = {name: {k: v for k, v in (engine.backends.get("lora") or {}).items() if k != "adapters"}
                      for name, (engine, _) in engines.items()}  # adapters: temporary paths
-        for engine, _ in engines.values():
-            engine.shutdown()
-        del engines
+        for name in list(engines):  # lora-off's engine is the first LoRA one: shut down twice, harmlessly
+            engines.pop(name)[0].shutdown()
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     path = report.write_result("lora", ns.model, {"args": vars(ns), "backends": summaries, "rows": rows}, ns.out, ns.device)

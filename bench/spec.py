@@ -96,30 +96,30 @@ def verify_vs_decode(engine: Engine, batch_sizes: list[int], vocab: int, context
     from backplane.speculative.verify_batch import build_verify_batch
 
     runner, rows = engine.runner, []
-    kv, rows_pool = runner.token_to_kv_pool, runner.req_to_token_pool
+    kv, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
     for bs in batch_sizes:
         reqs = [Req(i, torch.randint(3, vocab, (context,)).tolist(), SamplingParams()) for i in range(bs)]
         for req in reqs:
-            req.row = rows_pool.alloc()
-        runner.forward(build_extend_batch(reqs, [context] * bs, kv, rows_pool))
+            req.row = req_pool.alloc()
+        runner.forward(build_extend_batch(reqs, [context] * bs, kv, req_pool))
         for req in reqs:
             req.num_cached = context - 1  # the last prompt token plays the last generated one
-        decode = build_decode_batch(reqs, kv, rows_pool)
+        decode = build_decode_batch(reqs, kv, req_pool)
         for req in reqs:
             kv.free(req.slots.pop())
-        slots = alloc_verify_slots(reqs, NUM_DRAFT, kv, rows_pool)
+        slots = alloc_verify_slots(reqs, NUM_DRAFT, kv, req_pool)
         tree = DraftTree.chain(torch.randint(3, vocab, (bs, NUM_DRAFT)))
         mask, indptr = verify_mask(tree, [r.num_cached for r in reqs])
         positions = (torch.tensor([r.num_cached for r in reqs])[:, None] + tree.depths).view(-1)
         verify = build_verify_batch(reqs, tree.tokens.view(-1).tolist(), positions.tolist(), slots, NUM_DRAFT, mask,
-                                    indptr, rows_pool, kv)
+                                    indptr, req_pool, kv)
         d, v = (wall_ms(partial(runner.forward, b), runner.device) for b in (decode, verify))
         graphs = runner.graph_runner
         rows.append({"batch_size": bs, "decode_ms": d, "verify_ms": v, "ratio": v / d,
                      "graphs": graphs is not None and None not in (graphs.key_for(decode), graphs.key_for(verify))})
         for req in reqs:
             kv.free(torch.cat(req.slots))
-            rows_pool.free(req.row)
+            req_pool.free(req.row)
     return rows
 
 
