@@ -84,12 +84,15 @@ GROUPS: dict[str, list[Job]] = {
     "decode-1b": [bench("decode-1b", "decode", "--models", "llama-3.2-1b", "--profile", "1", "32", "--eager")],
     "decode-8b": [bench("decode-8b", "decode", "--models", "llama-3.1-8b", "--profile", "1")],
     "compile": [bench("compile", "decode", "--models", "llama-3.2-1b", "--variants", "overlap", "compiled", "--rounds", "3")],
-    "prefill": [bench("prefill", "prefill")],
+    "prefill-1b": [bench("prefill-1b", "prefill", "--models", "llama-3.2-1b")],
+    "prefill-8b": [bench("prefill-8b", "prefill", "--models", "llama-3.1-8b")],
     "e2e-1b": [bench("e2e-1b", "e2e", "--model", "llama-3.2-1b", "--repeats", "3")],
     "e2e-8b": [bench("e2e-8b", "e2e", "--model", "llama-3.1-8b")],
     "prefix-cache": [tests("prefix-cache-tests", "tests/gpu/test_prefix_cache_gpu.py"),
                      bench("prefix-cache", "e2e", "--model", "llama-3.2-1b", "--workloads", "shared-prefix", "distinct",
                            "--cache", "on", "off", "--repeats", "3")],
+    "prefix-cache-8b": [bench("prefix-cache-8b", "e2e", "--model", "llama-3.1-8b", "--workloads", "shared-prefix",
+                              "distinct", "--cache", "on", "off", "--repeats", "2")],
     "lora": [tests("lora-tests", "tests/gpu/test_lora_gpu.py", "tests/gpu/test_lora_triton_gpu.py"),
              bench("lora", "lora"), bench("lora-kernels", "lora_kernels")],
     "lora-tune": [bench("lora-tune", "lora_kernels", "--ranks", "16", "64", "--tokens", "1", "8", "32",
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("groups", nargs="*", metavar="GROUP")
     p.add_argument("--list", action="store_true", help="print every group's jobs and exit")
+    p.add_argument("--only", nargs="+", metavar="JOB", help="run only these jobs of the groups (a cold machine "
+                   "may need two calls for the `tests` group: split its jobs with --only)")
     p.add_argument("--budget", type=float, default=560.0, help="seconds for all the jobs together (one call: 600)")
     p.add_argument("--commit", default=None, help="the commit to name in result files (no git on the GPU machine)")
     p.add_argument("--save-flashinfer-aot", action="store_true")
@@ -218,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for group in ns.groups:
         folder = out / group
         folder.mkdir(parents=True, exist_ok=True)
-        rows += [{"group": group, **r} for r in run_group(GROUPS[group], folder, deadline)]
+        jobs = [j for j in GROUPS[group] if not ns.only or j.name in ns.only]
+        rows += [{"group": group, **r} for r in run_group(jobs, folder, deadline)]
         if group == "matrix":
             lines.append(merge_matrix(folder))
         if os.environ.get("OUT"):
