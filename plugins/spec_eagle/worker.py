@@ -58,7 +58,8 @@ class EagleWorker(SpecWorker):
         most = self.topk + (self.num_steps - 1) * self.topk ** 2
         if self.num_draft_tokens - 1 > most:
             raise ValueError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: expected at most {most + 1} "
-                             f"(1 + topk + (num_steps - 1) * topk^2 for topk {self.topk}, num_steps {self.num_steps})")
+                             f"(1 + topk + (num_steps - 1) * topk^2 for {flags['topk']} {self.topk}, "
+                             f"{flags['num_steps']} {self.num_steps})")
         self.model_ctx = ModelContext(ops=runner.model_ctx.ops, dtype=runner.dtype, device=runner.device,
                                       parallel=runner.model_ctx.parallel)
         self.head = load_eagle_head(self.options.draft_model, runner.model, self.model_ctx, flags["draft_model"])
