@@ -36,6 +36,12 @@ def check_spec_settings(args: Any, plugin_set: Any) -> Any:
     return spec
 
 
+def algorithm_help(registry: Any) -> str:
+    """The help of --speculative-algorithm, naming the registered algorithms."""
+    names = sorted(registry.specs("spec"))
+    return f"registered algorithm ({', '.join(names)})" if names else "registered algorithm (none installed)"
+
+
 def algorithm_options(args: Any, registry: Any, name: str) -> tuple[str | None, Any]:
     """(group, options) of the settings group of the plugin that registered algorithm `name`:
     the parsed options in `args.plugin_options` (CLI, env, `Engine(plugin_options=...)`), else the

@@ -34,6 +34,11 @@ class RequestAcceptance:
         """Tokens gained per step (1 when no draft was ever accepted), 0.0 before any step."""
         return self.tokens / self.steps if self.steps else 0.0
 
+    def to_dict(self) -> dict[str, float]:
+        """For JSON output (`generate --json`): the three counts and mean_acceptance_length."""
+        return {"steps": self.steps, "accepted_drafts": self.accepted_drafts, "tokens": self.tokens,
+                "mean_acceptance_length": self.mean_acceptance_length}
+
 
 class _Entry:
     __slots__ = ("ref", "state", "acceptance")

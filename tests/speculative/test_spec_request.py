@@ -116,3 +116,9 @@ def test_acceptance_counts_per_request_add_up_to_the_run(monkeypatch):
     seen.clear()
     engine.generate(input_ids=[[3, 4]], sampling_params=SamplingParams(max_new_tokens=6, **GREEDY))
     assert states[-1][0] == 1  # the first call's states are gone
+
+
+def test_acceptance_as_json():
+    counts = RequestAcceptance(steps=4, accepted_drafts=6, tokens=10)
+    assert counts.to_dict() == {"steps": 4, "accepted_drafts": 6, "tokens": 10, "mean_acceptance_length": 2.5}
+    assert RequestAcceptance().mean_acceptance_length == 0.0

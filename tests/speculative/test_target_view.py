@@ -77,3 +77,25 @@ def test_spec_context_wraps_any_runner(engine):
     assert isinstance(ctx.runner, TargetView) and ctx.runner.model is engine.runner.model
     again = SpecContext(runner=ctx.runner, args=engine.args, spec=engine.spec)
     assert again.runner is ctx.runner
+
+
+def test_the_algorithm_help_names_what_is_registered(engine):
+    from backplane.speculative.factory import algorithm_help
+
+    registry = engine.plugin_set.registry
+    assert algorithm_help(registry) == f"registered algorithm ({', '.join(sorted(registry.specs('spec')))})"
+    assert "eagle" in algorithm_help(registry) and "ngram" in algorithm_help(registry)
+    assert algorithm_help(SimpleNamespace(specs=lambda kind: {})) == "registered algorithm (none installed)"
+
+
+def test_the_algorithm_help_names_a_third_party_algorithm():
+    from backplane import SpecAlgorithmSpec, hookimpl
+    from backplane.plugin.manager import load_plugins
+    from backplane.speculative.factory import algorithm_help
+
+    class Medusa:
+        @hookimpl
+        def backplane_register_spec_algorithms(self, register):
+            register(SpecAlgorithmSpec(name="medusa", factory=lambda ctx: None, description="heads"))
+
+    assert algorithm_help(load_plugins(extra=[Medusa()]).registry) == "registered algorithm (eagle, medusa, ngram)"
