@@ -43,6 +43,8 @@ def build(choice: Any, *args: Any, kind: str) -> Any:
     what = f"plugin {plugin!r}: {KINDS[kind].label} {KINDS[kind].key(spec)!r}"
     try:
         product = spec.factory(*args)
+    except ValueError as exc:  # the documented refusal of bad settings: the user's error, said first
+        raise PluginRuntimeError(f"{' '.join(str(exc).split()) or one_line(exc)} ({what})") from exc
     except Exception as exc:  # noqa: BLE001 - the plugin's factory may fail in any way
         location = failure_location(exc, getattr(spec.factory, "__module__", None))
         raise PluginRuntimeError(with_location(f"{what}: factory raised {one_line(exc)}", location)) from exc

@@ -13,7 +13,7 @@ class TritonLoraOptions(BaseModel):
 
     configs: str | None = Field(
         None,
-        description="a JSON table of fused-kernel launch settings written by bench/lora_decode.py --tune; "
+        description="a JSON table of fused-kernel launch settings written by python -m bench.lora_kernels --tune; "
         "default: configs/<GPU name>.json bundled with the plugin, if there is one for this GPU",
     )
     tuned: bool = Field(True, description="use the measured table; false: the read model chooses every launch")

@@ -2,7 +2,7 @@
 
 `choose_split` in fused.py is a model of one launch's reads; it cannot see launch latency, L2 hits or
 the serial steps inside a program, which is what decides a decode-sized LoRA kernel. So a device can
-carry a table measured on it: `bench/lora_decode.py --tune` times every (span, split_k, num_warps)
+carry a table measured on it: `python -m bench.lora_kernels --tune` times every (span, split_k, num_warps)
 the kernel's buffers allow, per projection group shape, rank and token bucket, checks each result
 against torch_native, and writes the fastest as JSON. The backend looks the launch up there first
 and falls back to the model for a shape the table lacks.
@@ -89,7 +89,7 @@ def load_table(path: str | Path, max_groups: int) -> TunedTable:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"triton-lora.configs: {path} does not exist; expected a JSON file written by "
-                         "bench/lora_decode.py --tune") from None
+                         "python -m bench.lora_kernels --tune") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"triton-lora.configs: {path} is not JSON ({exc})") from None
     return TunedTable.from_json(data, str(path), max_groups)

@@ -7,7 +7,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere: run 
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -56,7 +55,7 @@ def test_a_bad_table_is_one_line_naming_the_file(tmp_path, content, message):
     with pytest.raises(ValueError, match="bad.json") as err:
         load_table(path, max_groups=256)
     assert message in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="does not exist; expected a JSON file written by bench/lora_decode.py --tune"):
+    with pytest.raises(ValueError, match="does not exist; expected a JSON file written by python -m bench.lora_kernels --tune"):
         load_table(tmp_path / "missing.json", max_groups=256)
 
 
@@ -126,10 +125,9 @@ def test_the_options_group_reaches_the_backend_from_the_settings(tmp_path):
 
 
 def test_the_tuner_keeps_the_fastest_checked_setting_per_group(monkeypatch, tmp_path):
-    """bench/lora_decode.py --tune: every setting runs and is checked; the fastest is written, one
+    """python -m bench.lora_kernels --tune: every setting runs and is checked; the fastest is written, one
     entry per (shape, rank bucket, token bucket), and the table loads back into the backend."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-    import lora_decode_kernels as bench
+    from bench import lora_kernels as bench
 
     from backplane.plugins.lora_triton.fused import FusedConfig
 
@@ -171,8 +169,7 @@ def test_the_tuner_keeps_the_fastest_checked_setting_per_group(monkeypatch, tmp_
 
 @pytest.mark.parametrize("content", [None, "{not json", json.dumps({"entries": [{"k": 40}]})])
 def test_a_bad_table_stops_the_cli_with_one_line(tmp_path, capsys, content):  # R73
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-    from lora import write_dummy_adapter
+    from bench.workload import write_dummy_adapter
 
     from backplane.cli import main
     from backplane.models.presets import get_preset
@@ -187,4 +184,4 @@ def test_a_bad_table_stops_the_cli_with_one_line(tmp_path, capsys, content):  # 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("backplane: error: triton-lora.configs: ") or \
         err.startswith(f"backplane: error: {table}: "), err
-    assert str(table) in err
+    assert str(table) in err and err.rstrip().endswith("(plugin 'lora_triton': LoRA backend 'triton')")
