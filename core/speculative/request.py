@@ -3,9 +3,10 @@
 The scheduler's request object is private to the core. A draft worker's hooks (`draft`,
 `after_prefill`, `after_verify`) receive a `SpecRequest` over each request instead: its tokens so
 far, how many of them have their KV cached, its row in the target's request pool, and `state`, a
-slot the algorithm owns (EAGLE keeps the target's features there). The core keeps each request's
-state in a `RequestStore` and drops it when the request finishes or is preempted (its KV is gone,
-so a state about it would be stale); a preempted request starts again from a prefill.
+slot the algorithm owns (EAGLE keeps the target's features there). The core keeps the state on its
+request (the field 0.1 algorithms wrote themselves, so old and new code see one value), indexes it
+in a `RequestStore`, and drops it when the request finishes or is preempted (its KV is gone, so a
+state about it would be stale); a preempted request starts again from a prefill.
 """
 
 from __future__ import annotations
@@ -41,18 +42,16 @@ class RequestAcceptance:
 
 
 class _Entry:
-    __slots__ = ("ref", "state", "acceptance")
+    __slots__ = ("ref", "acceptance")
 
     def __init__(self, ref: weakref.ref):
-        self.ref, self.state, self.acceptance = ref, None, RequestAcceptance()
+        self.ref, self.acceptance = ref, RequestAcceptance()
 
 
 class RequestStore:
-    """Per-request values the core keeps for the speculative worker, keyed by request object.
-
-    `state` lives while the request holds KV (dropped by `prune` once it finished or was released);
-    `acceptance` lives as long as the request object (the engine reads it when the request ends).
-    """
+    """The requests a speculative worker has seen, by request object: their acceptance counts
+    (kept as long as the request object lives: the engine reads them when the request ends), and
+    which of them hold a state (`prune` drops it once the request finished or was released)."""
 
     def __init__(self):
         self._entries: dict[int, _Entry] = {}
@@ -62,7 +61,7 @@ class RequestStore:
 
     def num_states(self) -> int:
         """How many requests have a state stored (what `prune` keeps bounded)."""
-        return sum(1 for e in self._entries.values() if e.state is not None)
+        return sum(1 for e in self._entries.values() if getattr(e.ref(), "spec_state", None) is not None)
 
     def entry(self, req: Any) -> _Entry:
         key = id(req)
@@ -81,7 +80,7 @@ class RequestStore:
         for found in list(self._entries.values()):
             req = found.ref()
             if req is not None and (req.finished or req.row is None):
-                found.state = None
+                req.spec_state = None
 
 
 class SpecRequest(Generic[S]):
@@ -140,12 +139,12 @@ class SpecRequest(Generic[S]):
 
     @property
     def state(self) -> S | None:
-        found = self._store.peek(self._req)
-        return found.state if found is not None else None
+        return getattr(self._req, "spec_state", None)
 
     @state.setter
     def state(self, value: S | None) -> None:
-        self._store.entry(self._req).state = value
+        self._store.entry(self._req)  # indexed, so that `prune` drops it with the request
+        self._req.spec_state = value
 
     # -- deprecated (the request object of 0.1, which algorithms used to receive) ---------------
 

@@ -86,6 +86,20 @@ def test_the_old_names_warn_and_still_work():
     assert view.state == "S"
 
 
+def test_one_state_for_old_and_new_code():
+    """A 0.1 algorithm wrote `req.spec_state` on the engine's request in its own forward_prefill;
+    the view reads and writes that same value, and pruning drops it too."""
+    req, store = _req(), RequestStore()
+    req.spec_state = "old"
+    view = SpecRequest(req, store)
+    assert view.state == "old"
+    view.state = "new"
+    assert req.spec_state == "new" and store.num_states() == 1
+    req.row = None
+    store.prune()
+    assert req.spec_state is None and view.state is None
+
+
 def test_acceptance_counts_per_request_add_up_to_the_run(monkeypatch):
     """Each request's counts (SpecWorker.acceptance) sum to the worker's SpecStats; states are
     dropped once their requests finish (seen at the next step, and when the request is collected)."""
