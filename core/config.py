@@ -96,13 +96,20 @@ def resolve_runtime(args: Any, device: Any) -> RuntimeConfig:
     speculative = bool(args.speculative_algorithm)
     config = RuntimeConfig(
         device=device_type,
-        pool=PoolConfig(req_rows=max_running, spec_room=args.speculative_num_draft_tokens if speculative else 0),
+        pool=resolve_pool(args, device_type),
         scheduler=SchedulerConfig(max_running=max_running, chunk_size=args.chunked_prefill_size, seed=args.seed,
                                   overlap=not args.disable_overlap_schedule and not speculative),
         tensor_parallel=TensorParallelConfig(args.tp_size, "nccl" if device_type == "cuda" else "gloo"),
     )
     logger.info("%s", config.describe())
     return config
+
+
+def resolve_pool(args: Any, device_type: str) -> PoolConfig:
+    """The request pool's rows (the running-request limit) and the positions past the context a
+    speculative verify writes (its draft tokens; none without speculation)."""
+    rows = args.max_running_requests or DEFAULT_RUNNING_REQUESTS[device_type]
+    return PoolConfig(req_rows=rows, spec_room=args.speculative_num_draft_tokens if args.speculative_algorithm else 0)
 
 
 def resolve_prefix_cache(args: Any, spec_refusal: str | None = None) -> PrefixCacheConfig:

@@ -152,10 +152,10 @@ def count_computed_tokens(engine) -> list[int]:
     """Wrap the runner's forward: the list gets the number of tokens of every extend batch."""
     counts, forward = [], engine.runner.forward
 
-    def counting(batch):
+    def counting(batch, **options):
         if batch.forward_mode == ForwardMode.EXTEND:
             counts.append(batch.num_tokens)
-        return forward(batch)
+        return forward(batch, **options)
 
     engine.runner.forward = counting
     return counts

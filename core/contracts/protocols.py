@@ -60,7 +60,7 @@ class GraphContributor(Protocol):
 
 @runtime_checkable
 class SchedulerParticipant(Protocol):
-    """Takes part in scheduling; `req` is an engine request (`backplane.engine.request.Req`)."""
+    """Takes part in scheduling; `req` is an engine request (`backplane.scheduler.request.Req`)."""
 
     def can_admit(self, req: Any, batch_mates: Sequence[Any]) -> bool:
         """Whether `req` may run next to `batch_mates` (the running requests and those admitted
@@ -82,5 +82,7 @@ class RunningRequests(Protocol):
 class ForwardRouter(Protocol):
     """Where rank 0's forwards go under tensor parallelism (the TPDriver)."""
 
-    def run(self, batch: ForwardBatch, forward_local: Callable[[ForwardBatch], ModelOutput]) -> ModelOutput:
-        """Send `batch` to every other rank, then return `forward_local(batch)`, this rank's output."""
+    def run(self, batch: ForwardBatch, forward_local: Callable[[ForwardBatch], ModelOutput], *,
+            use_graph: bool = True) -> ModelOutput:
+        """Send `batch` to every other rank, then return `forward_local(batch)`, this rank's output;
+        use_graph False: every rank runs the forward eagerly."""

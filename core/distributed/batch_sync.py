@@ -43,8 +43,8 @@ class BatchMessage:
     seq_lens_cpu: [batch_size] int32; optional: the OPTIONAL_FIELDS of ForwardBatch.
     input_ids may hold placeholders (< 0); then `ids_follow` is True and the resolved ids come by
     a device broadcast right after the message (`receive_input_ids`).
-    plugin_inputs: the batch's `plugin_inputs`, as they are. lora: unused (always None; kept while
-    callers still pass it).
+    plugin_inputs: the batch's `plugin_inputs`, as they are. use_graph: whether the ranks may
+    replay a captured graph (False: rank 0 runs this forward eagerly, and so does every rank).
     """
 
     mode: str
@@ -57,18 +57,17 @@ class BatchMessage:
     optional: dict[str, torch.Tensor] = field(default_factory=dict)
     return_logprob: bool = False
     plugin_inputs: dict[str, Any] = field(default_factory=dict)
-    lora: Any = None
+    use_graph: bool = True
     # EXTEND: req_to_token[row, :prefix_len] of every request, request after request [sum prefix] int64;
     # a prefix from the radix cache was never part of a batch on the workers.
     prefix_slots: torch.Tensor | None = None
     ids_follow: bool = False
 
 
-def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
-    """The host data of `batch` (rank 0, before its forward); reads no device tensor. (`lora` is
-    ignored: LoRA's description travels in `plugin_inputs`.)
+def pack_batch(batch: ForwardBatch, use_graph: bool = True) -> BatchMessage:
+    """The host data of `batch` (rank 0, before its forward); reads no device tensor.
 
-    `batch` must come from the batch builder (backplane.engine.batch_builder), whose host copies
+    `batch` must come from the batch builder (backplane.scheduler.batch_builder), whose host copies
     (`batch.host`) it sends.
     """
     if batch.forward_mode not in MIRRORED_MODES:
@@ -85,7 +84,7 @@ def pack_batch(batch: ForwardBatch, lora: Any = None) -> BatchMessage:
         positions=_own(host.positions), out_cache_loc=_own(host.out_cache_loc),
         req_pool_indices=_own(host.req_pool_indices), seq_lens_cpu=_own(batch.seq_lens_cpu.to(torch.int32)),
         optional=_optional(batch), return_logprob=batch.return_logprob, plugin_inputs=dict(batch.plugin_inputs),
-        prefix_slots=host.prefix_slots if batch.forward_mode == ForwardMode.EXTEND else None,
+        prefix_slots=host.prefix_slots if batch.forward_mode == ForwardMode.EXTEND else None, use_graph=use_graph,
         ids_follow=host.has_placeholders,
     )
 

@@ -22,7 +22,6 @@ from backplane.distributed.batch_sync import pack_batch, send_input_ids
 from backplane.distributed.broadcast import broadcast_object
 from backplane.distributed.launcher import (WorkerConfig, WorkerHandles, apply_env, free_port,
                                             init_groups)
-from backplane.distributed.lora_sync import LoraSlotTable, pack_lora
 from backplane.distributed.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -53,7 +52,6 @@ class TPDriver:
         self.failed: BaseException | None = None
         self.closed = False
         self.ready = False
-        self.lora: LoraSlotTable | None = None
         _ACTIVE.add(self)
         try:
             if self.backend == "nccl":
@@ -64,17 +62,17 @@ class TPDriver:
             self.shutdown(failed=True)
             raise
 
-    def wait_ready(self, lora: LoraSlotTable | None) -> None:
-        """Wait for every worker's runner; from then on `run` serves forwards. `lora`: rank 0's
-        LoraManager, whose slot table each LoRA batch carries to the workers (None: no LoRA)."""
+    def wait_ready(self, lora: Any = None) -> None:
+        """Wait for every worker's runner; from then on `run` serves forwards. (`lora`, rank 0's
+        LoraManager, is not needed: a LoRA batch carries its slot table in `plugin_inputs`.)"""
         self.workers.wait_ready()
-        self.lora = lora
         self.ready = True
         if self.backend == "nccl":  # NCCL waits forever on a dead peer: abort the group instead
             threading.Thread(target=self._watch, name="backplane-tp-watch", daemon=True).start()
 
-    def run(self, batch: Any, forward_local: Callable[[Any], Any]) -> Any:
-        """Broadcast `batch` to the workers, then run it here; returns rank 0's output.
+    def run(self, batch: Any, forward_local: Callable[[Any], Any], *, use_graph: bool = True) -> Any:
+        """Broadcast `batch` to the workers, then run it here; returns rank 0's output. use_graph:
+        whether every rank may replay a captured graph (False: all run it eagerly).
 
         The message is the batch's host data (no wait for the step in flight); placeholder input
         ids are followed by rank 0's resolved device ids over the tensor group (batch_sync.py).
@@ -83,7 +81,7 @@ class TPDriver:
             raise RuntimeError(f"tensor-parallel engine is shut down{_after(self.failed)}")
         if not self.ready:
             raise RuntimeError("tensor-parallel driver: a forward before wait_ready(); the workers are not serving yet")
-        msg = pack_batch(batch, pack_lora(self.lora, batch))
+        msg = pack_batch(batch, use_graph=use_graph)
         try:
             broadcast_object(msg, 0, self.parallel.cpu_group)
             send_input_ids(msg, batch, self.parallel.group)

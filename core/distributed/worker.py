@@ -77,8 +77,8 @@ def serve(config: WorkerConfig, runner: Any, mirror: Any) -> None:
             injected_failure(config.rank, "forward")
             batch = unpack_batch(msg, runner.req_to_token_pool, runner.token_to_kv_pool, runner.device,
                                  runner.parallel.group)
-            mirror.apply(msg.lora, batch)
-            runner.forward(batch)
+            mirror.apply(msg, batch)
+            runner.forward(batch, use_graph=msg.use_graph)
 
 
 def worker_main(config: WorkerConfig, reports: Any) -> None:

@@ -49,7 +49,8 @@ class Engine:
         self.tp = start_tensor_parallel(self.args, plugins, self.config.tensor_parallel)
         with tp_startup(self.tp):  # a failure here stops the workers and names one that caused it
             runtime = build_runtime(self.args, self.plugin_set, self.tp.parallel if self.tp else None,
-                                    router=self.tp, ready=self.tp.wait_ready if self.tp else None)
+                                    router=self.tp, ready=self.tp.wait_ready if self.tp else None,
+                                    pool=self.config.pool)
         self.runner, self.lora_manager, self.spec_worker = runtime.runner, runtime.lora, runtime.spec_worker
         self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size),
                                         self.args.tokenizer_path)

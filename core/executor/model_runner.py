@@ -13,6 +13,7 @@ import torch
 
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
+from backplane.config import PoolConfig, resolve_pool
 from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.contracts.forward_context import ForwardContext
 from backplane.executor.compiled import compiles_batch
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_BUDGET_BYTES = 2 << 30
-DEFAULT_REQ_POOL = {"cuda": 256, "cpu": 64}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -129,7 +129,7 @@ class ModelRunner:
     """
 
     def __init__(self, args: EngineArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None,
-                 router: ForwardRouter | None = None):
+                 router: ForwardRouter | None = None, pool: PoolConfig | None = None):
         self.args = args
         self.plugin_set = plugin_set
         self.registry = plugin_set.registry
@@ -139,6 +139,7 @@ class ModelRunner:
             self.device = torch.device("cuda", self.parallel.tp_rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args, self.device)
+        self.pool_config = pool or resolve_pool(args, self.device.type)  # resolved once (backplane.config)
         self.source = resolve_model_source(args)
         self.hf_config = self.source.hf_config
         self.model_ctx = ModelContext(
@@ -260,8 +261,8 @@ class ModelRunner:
                 f"--mem-fraction-static {self.args.mem_fraction_static}: leaves room for {num_slots} KV "
                 "tokens after the weights; raise it or pass --max-total-tokens"
             )
-        req_rows = self.args.max_running_requests or DEFAULT_REQ_POOL[self.device.type]
-        max_ctx = min(self.context_len, num_slots) + 8  # + room for speculative draft tokens
+        req_rows = self.pool_config.req_rows
+        max_ctx = min(self.context_len, num_slots) + self.pool_config.spec_room  # + a verify's draft tokens
         check_pool_memory(self.device, [
             ("--max-total-tokens", num_slots, num_slots * per_token, "KV tokens"),
             ("--max-running-requests", req_rows, (req_rows + 1) * max_ctx * 4, "request rows"),
@@ -337,7 +338,8 @@ class ModelRunner:
     def _dispatch(self, batch: ForwardBatch, capture_hidden: bool, use_graph: bool) -> ModelOutput:
         capture_hidden = capture_hidden or legacy_capture_hidden(batch)
         if self.router is not None:
-            return self.router.run(batch, lambda b: self._forward_local(b, capture_hidden, use_graph))
+            return self.router.run(batch, lambda b: self._forward_local(b, capture_hidden, use_graph),
+                                   use_graph=use_graph)
         return self._forward_local(batch, capture_hidden, use_graph)
 
     def _forward_local(self, batch: ForwardBatch, capture_hidden: bool, use_graph: bool) -> ModelOutput:
@@ -374,4 +376,4 @@ class ModelRunner:
 
 def legacy_capture_hidden(batch: ForwardBatch) -> bool:
     """A batch whose deprecated `capture_hidden` was set (plugins of the first release)."""
-    return bool(batch.__dict__.get("_legacy_capture_hidden", False))
+    return bool(getattr(batch, "__dict__", {}).get("_legacy_capture_hidden", False))

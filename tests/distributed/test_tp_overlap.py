@@ -41,15 +41,7 @@ def meta_shadow(batch: ForwardBatch) -> ForwardBatch:
             fields[name] = value.to("meta")
     fields["req_to_token_pool"] = SimpleNamespace(req_to_token=batch.req_to_token_pool.req_to_token.to("meta"))
     fields["token_to_kv_pool"] = None
-    fields["lora_info"] = _lora_host_view(batch.lora_info)
     return ForwardBatch(**fields)
-
-
-def _lora_host_view(info):
-    """Only the host values of a LoRA batch info (pack_lora must read nothing else)."""
-    if info is None:
-        return None
-    return SimpleNamespace(bs=info.bs, seg_lens_cpu=info.seg_lens_cpu, weight_indices_cpu=info.weight_indices_cpu)
 
 
 def check_message(msg: BatchMessage, batch: ForwardBatch) -> None:
@@ -74,19 +66,18 @@ def check_message(msg: BatchMessage, batch: ForwardBatch) -> None:
 
 @pytest.fixture
 def host_only_messages(monkeypatch):
-    """Rank 0 packs each message (and its LoRA part) from `meta_shadow(batch)`; returns the
-    messages sent, each checked against its batch."""
+    """Rank 0 packs each message (its LoRA segments included, host data in plugin_inputs) from
+    `meta_shadow(batch)`; returns the messages sent, each checked against its batch."""
     sent: list[BatchMessage] = []
-    real_pack, real_lora = driver.pack_batch, driver.pack_lora
+    real_pack = driver.pack_batch
 
-    def pack(batch, lora=None):
-        msg = real_pack(meta_shadow(batch), lora)
+    def pack(batch, **options):
+        msg = real_pack(meta_shadow(batch), **options)
         check_message(msg, batch)
         sent.append(msg)
         return msg
 
     monkeypatch.setattr(driver, "pack_batch", pack)
-    monkeypatch.setattr(driver, "pack_lora", lambda slots, batch: real_lora(slots, meta_shadow(batch)))
     return sent
 
 
@@ -147,7 +138,7 @@ def test_tp2_overlap_with_lora_equals_no_overlap(host_only_messages, tmp_path_fa
                     lora_backend="torch_native", max_loras_per_batch=2, **CPU)
     prompts, adapters = PROMPTS[:4], ["all7_r4", None, "qv_down_r8", "kogu_r2"]
     on = generate_tp2(True, host_only_messages, mixed_params()[:4], prompts, adapters, **settings)
-    assert any(m.ids_follow and m.lora is not None for m in host_only_messages)
+    assert any(m.ids_follow and m.plugin_inputs.get("lora") is not None for m in host_only_messages)
     assert_same(on, generate_tp2(False, host_only_messages, mixed_params()[:4], prompts, adapters, **settings))
 
 
