@@ -170,14 +170,17 @@ def bench_case(fi, workspace, kind: str, batch: int, prefix: int, new: int, ns: 
     return [r | {"vs_flashinfer": report.ratio(best_fi, r["us"])} for r in rows]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = report.parser(__doc__, device=False)
     p.add_argument("--sweep", action="store_true", help="also the best of the triton kernels' launch settings")
     p.add_argument("--only", choices=("decode", "extend"))
     p.add_argument("--head-dim", type=int, default=128, help="128: llama-3.1-8b; 64: llama-3.2-1b")
     p.add_argument("--decode-cases", nargs="+", default=["1x4096", "16x4096", "64x4096", "256x1024"], metavar="BSxCONTEXT")
-    report.add_output_args(p)
-    ns = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ns = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
     try:
@@ -185,12 +188,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except ImportError:
         fi = None
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    decode = [(int(b), int(c) - 1, 1) for b, c in (case.split("x") for case in ns.decode_cases)]
-    cases = [("decode", *c) for c in decode if ns.only != "extend"] + [("extend", *c) for c in EXTEND_CASES if ns.only != "decode"]
+    decode = [("decode", int(b), int(c) - 1, 1) for b, c in (case.split("x") for case in ns.decode_cases)]
+    extend = [("extend", *case) for case in EXTEND_CASES]
+    cases = [c for c in decode + extend if ns.only in (None, c[0])]
     rows = [row for case in cases for row in bench_case(fi, workspace, *case, ns)]
-    subject = f"{ns.only or 'all'}-hd{ns.head_dim}"
     meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": ns.head_dim, "peak_tb_s": peak_bytes_per_s() / 1e12}
-    print(f"wrote {report.write_result('attention', subject, {'args': vars(ns), **meta, 'rows': rows}, ns.out)}")
+    report.write_result("attention", f"{ns.only or 'all'}-hd{ns.head_dim}", {"args": vars(ns), **meta, "rows": rows}, ns.out)
     print(report.table(rows, COLUMNS, f"peak for roofline {meta['peak_tb_s']:.2f} TB/s (measured copy)"))
     return rows
 

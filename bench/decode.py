@@ -15,7 +15,7 @@ bandwidth. --profile BS splits a step of the first variant (and the peer's kerne
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import statistics
 
 import torch
@@ -41,7 +41,7 @@ PROFILE_COLUMNS = COLUMNS[:4] + [("wall ms", "wall_ms", ".3f"), ("kernels ms", "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = report.parser(__doc__)
     p.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["overlap", "no-overlap"])
@@ -49,36 +49,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the variants (medians)")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel engines (the peer runs on one GPU)")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
     p.add_argument("--profile", type=int, nargs="*", default=[], metavar="BS", help="profile a step at these sizes")
-    report.add_output_args(p)
     return p.parse_args(argv)
 
 
-def build_engine(ns: argparse.Namespace, model: str, backend: str, variant: str) -> Engine:
+def engine_settings(ns: argparse.Namespace, backend: str, variant: str) -> dict:
     bs = max(ns.batch_sizes)
-    return Engine(model, device=ns.device, attention_backend=backend, max_running_requests=bs,
-                  max_total_tokens=2 * bs * (ns.context + ns.steps + 64), cuda_graph_bs=ns.batch_sizes,
-                  chunked_prefill_size=max(8192, ns.context), tp_size=ns.tp_size, **VARIANTS[variant])
+    return dict(device=ns.device, attention_backend=backend, max_running_requests=bs,
+                max_total_tokens=2 * bs * (ns.context + ns.steps + 64), cuda_graph_bs=ns.batch_sizes,
+                chunked_prefill_size=max(8192, ns.context), tp_size=ns.tp_size, **VARIANTS[variant])
 
 
 def measure_backend(ns: argparse.Namespace, model: str, backend: str, tb_s: float) -> tuple[list[dict], dict]:
     """Rows (one per variant and batch size) and each variant's graph capture, engines built side by side."""
-    engines = {v: build_engine(ns, model, backend, v) for v in ns.variants}
-    floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
-    samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds,
-                                lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
-    rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms) | {"model": model, "backend": backend, "variant": v,
-                                                                        "floor_ms": floor}
-            for (v, bs), ms in samples.items()]
-    captures = {v: steps.graph_capture(e) for v, e in engines.items()}
-    for v in list(engines):
-        engines.pop(v).shutdown()
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return rows, captures
+    with contextlib.ExitStack() as stack:
+        engines = {v: stack.enter_context(steps.built(model, **engine_settings(ns, backend, v))) for v in ns.variants}
+        floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
+        samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds,
+                                    lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
+        rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms)
+                | {"model": model, "backend": backend, "variant": v, "floor_ms": floor} for (v, bs), ms in samples.items()]
+        return rows, {v: steps.graph_capture(e) for v, e in engines.items()}
 
 
 def measure_row(ns: argparse.Namespace, engine: Engine, first: bool, bs: int, runs_ms: list[float]) -> dict:
@@ -120,8 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             payload = {"args": vars(ns), "copy_tb_s": tb_s, "captures": captures, "rows": rows}
             report.write_result("decode", model, payload, ns.out, ns.device)  # a run cut short keeps these
         add_peer(ns, model, rows)
-        path = report.write_result("decode", model, payload, ns.out, ns.device)
-        print(f"wrote {path}")
+        report.write_result("decode", model, payload, ns.out, ns.device)
         all_rows += rows
     profiles = [r | r["profile"] for r in all_rows if r.get("profile")]
     print(report.table(profiles, PROFILE_COLUMNS, "one step under the profiler (top kernels and idle gaps: the JSON)"))

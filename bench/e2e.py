@@ -17,14 +17,10 @@ prefill does its matmul FLOPs at the bf16 matmul peak; all requests in one batch
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 
-import torch
-
 from backplane import Engine, SamplingParams
-from bench import report
-from bench.steps import timed_generate
+from bench import report, steps
 from bench.timing import MATMUL_PEAK_FLOP_S, copy_bandwidth_tb_s
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
@@ -34,9 +30,8 @@ COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("cache", "
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = report.parser(__doc__)
     p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     p.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"], help="radix cache settings, each an engine")
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"],
@@ -47,7 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=8, help="shared-prefix: groups sharing one prefix")
     p.add_argument("--prefix-shape", type=int, nargs=3, default=(2048, 128, 128), metavar=("PREFIX", "SUFFIX", "OUTPUT"))
     p.add_argument("--repeats", type=int, default=1, help="timed runs per workload (the median is kept)")
-    report.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -77,7 +71,7 @@ def timed_run(engine: Engine, batch: list[list[int]], params: list[SamplingParam
     engine.scheduler.prefix_cache.clear()
     engine.runner.token_to_kv_pool.sort_free()
     before = engine.stats()["prefix_cache"]["prefill_tokens"]
-    seconds, outs = timed_generate(engine, batch, params)
+    seconds, outs = steps.timed_generate(engine, batch, params)
     return seconds, outs, engine.stats()["prefix_cache"]["prefill_tokens"] - before
 
 
@@ -85,7 +79,7 @@ def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float)
     """One workload on one engine: warm-up (its first requests twice, the second time from the cache),
     then --repeats timed runs; the median run's figures."""
     batch, out_lens = workload(ns, kind, int(engine.runner.hf_config.vocab_size))
-    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
+    params = [steps.greedy(n) for n in out_lens]
     for _ in range(2):
         engine.generate(input_ids=batch[:4], sampling_params=params[:4])
     runs = sorted((timed_run(engine, batch, params) for _ in range(ns.repeats)), key=lambda r: r[0])
@@ -107,14 +101,9 @@ def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float)
 def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float) -> list[dict]:
     # Graphs up to the running batch: past --cuda-graph-max-bs (160 by default) a decode step runs
     # eagerly, which on a small model costs several times the replayed step.
-    engine = Engine(ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
-                    cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off")
-    rows = [run_workload(ns, engine, kind, tb_s) | {"backend": backend, "cache": cache} for kind in ns.workloads]
-    engine.shutdown()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return rows
+    with steps.built(ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
+                     cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off") as engine:
+        return [run_workload(ns, engine, kind, tb_s) | {"backend": backend, "cache": cache} for kind in ns.workloads]
 
 
 def cache_gains(rows: list[dict]) -> list[str]:
@@ -132,8 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for cache in ns.cache:
             rows += run_engine(ns, backend, cache, tb_s)
             payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
-            path = report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
-    print(f"wrote {path}")
+            report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
     print(report.table(sorted(rows, key=lambda r: r["workload"]), COLUMNS, f"{ns.model}, copy {tb_s:.2f} TB/s"))
     print("\n".join(cache_gains(rows)))
     return rows

@@ -18,16 +18,14 @@ uses (the folded GEMM reads every slot's A), over the base weights. The kernels 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-
 from backplane import Engine
 from bench import report, steps
-from bench.workload import projection_shapes, write_dummy_adapter  # noqa: F401 - write_dummy_adapter: tests import it here
+from bench.workload import projection_shapes, write_dummy_adapter
 
 TARGETS = {"lora": 1.15, "lora-off": 1.03}
 COLUMNS = [("bs", "batch_size", "d"), ("variant", "variant", ""), ("step ms", "step_ms", ".3f"), ("x base", "x_base", ".3f"),
@@ -35,9 +33,8 @@ COLUMNS = [("bs", "batch_size", "d"), ("variant", "variant", ""), ("step ms", "s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = report.parser(__doc__)
     p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--adapters", type=int, default=8)
@@ -48,31 +45,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     p.add_argument("--overlap", action="store_true", help="overlap scheduling on (off: the host's work is in the step)")
     p.add_argument("--profile", action="store_true", help="profile each variant's step at the smallest batch size")
-    report.add_output_args(p)
     return p.parse_args(argv)
 
 
-def build_engines(ns: argparse.Namespace, folder: Path) -> dict[str, tuple[Engine, int | None]]:
-    """variant -> (engine, rank); adapters a0..aN-1 of each rank written under `folder`."""
+def adapter_paths(ns: argparse.Namespace, folder: Path, rank: int) -> list[str]:
+    """--lora-paths entries a0..aN-1 of `rank`, written under `folder`."""
     from backplane.models.presets import get_preset
 
+    for i in range(ns.adapters):
+        write_dummy_adapter(folder / f"r{rank}" / f"a{i}", get_preset(ns.model), rank, seed=i)
+    return [f"a{i}={folder / f'r{rank}' / f'a{i}'}" for i in range(ns.adapters)]
+
+
+def build_engines(ns: argparse.Namespace, folder: Path, stack: contextlib.ExitStack) -> dict[str, tuple[Engine, int | None]]:
+    """variant -> (engine, rank), each engine shut down when `stack` closes; lora-off is the first LoRA engine."""
     bs = max(ns.batch_sizes)
     common = dict(device=ns.device, max_running_requests=bs, cuda_graph_bs=sorted(ns.batch_sizes),
                   max_total_tokens=2 * bs * (ns.input_len + ns.steps + 64), disable_overlap_schedule=not ns.overlap,
                   chunked_prefill_size=max(bs * ns.input_len, 8192))
-    engines = {"base": (Engine(ns.model, **common), None)}
+    engines = {"base": (stack.enter_context(steps.built(ns.model, **common)), None)}
     for rank in ns.ranks:
-        paths = []
-        for i in range(ns.adapters):
-            write_dummy_adapter(folder / f"r{rank}" / f"a{i}", get_preset(ns.model), rank, seed=i)
-            paths.append(f"a{i}={folder / f'r{rank}' / f'a{i}'}")
+        lora = dict(common, lora_paths=adapter_paths(ns, folder, rank), lora_backend=ns.lora_backend,
+                    max_loras_per_batch=ns.adapters, max_lora_rank=rank)
         for path in ns.paths:
-            engines[f"{'lora' if path == 'fused' else 'folded'}-r{rank}"] = (Engine(
-                ns.model, lora_paths=paths, lora_backend=ns.lora_backend, max_loras_per_batch=ns.adapters,
-                max_lora_rank=rank, plugin_options={"triton-lora": {"decode_path": path}}, **common), rank)
+            settings = dict(lora, plugin_options={"triton-lora": {"decode_path": path}})
+            engines[f"{'lora' if path == 'fused' else 'folded'}-r{rank}"] = (stack.enter_context(steps.built(
+                ns.model, **settings)), rank)
     first = next(name for name in engines if name != "base")
-    engines = {"base": engines.pop("base"), "lora-off": (engines[first][0], None), **engines}
-    return engines
+    return {"base": engines.pop("base"), "lora-off": (engines[first][0], None), **engines}
 
 
 def read_floor_ratio(model: str, rank: int, bs: int, adapters: int, folded: bool) -> float:
@@ -114,17 +114,12 @@ def measure(ns: argparse.Namespace, engines: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ns = parse_args(argv)
-    with tempfile.TemporaryDirectory() as folder:
-        engines = build_engines(ns, Path(folder))
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
+        engines = build_engines(ns, Path(folder), stack)
         rows = measure(ns, engines)
         summaries = {name: {k: v for k, v in (engine.backends.get("lora") or {}).items() if k != "adapters"}
                      for name, (engine, _) in engines.items()}  # adapters: temporary paths
-        for name in list(engines):  # lora-off's engine is the first LoRA one: shut down twice, harmlessly
-            engines.pop(name)[0].shutdown()
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    path = report.write_result("lora", ns.model, {"args": vars(ns), "backends": summaries, "rows": rows}, ns.out, ns.device)
-    print(f"wrote {path}")
+    report.write_result("lora", ns.model, {"args": vars(ns), "backends": summaries, "rows": rows}, ns.out, ns.device)
     print(report.table(rows, COLUMNS, f"{ns.model}: {ns.adapters} adapters on all seven projections, decode steps"))
     return rows
 

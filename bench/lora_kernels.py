@@ -22,23 +22,22 @@ import torch
 
 from bench import report
 from bench.timing import peak_bytes_per_s, time_us
+from bench.workload import projection_shapes
 
 TARGET_VS_FLOOR = 4.0
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 COLUMNS = [("T", "tokens", "d"), ("rank", "rank", "d"), ("fused", "fused_us", ".2f"), ("cold", "fused_cold_us", ".2f"),
            ("read model", "fused_automatic_us", ".2f"), ("segmented", "segmented_us", ".2f"),
            ("cold", "segmented_cold_us", ".2f"), ("floor", "floor_us", ".2f"), ("fused/floor", "fused_vs_floor", ".1f"),
-           ("folded", "folded_cold_us", ".2f"), ("folded/floor", "folded_vs_floor", ".1f")]
+           ("folded", "folded_cold_us", ".2f"), ("folded/floor", "folded_vs_floor", ".1f"), ("verdict", "verdict", "")]
 
 
 def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
     """name -> (K, output widths of the slices) of the four projection groups of a preset."""
-    from backplane.models.config_utils import head_dim_of, num_kv_heads_of
     from backplane.models.presets import get_preset
 
-    c = get_preset(model)
-    q, kv = c.num_attention_heads * head_dim_of(c), num_kv_heads_of(c) * head_dim_of(c)
-    return {"qkv": (c.hidden_size, [q, kv, kv]), "o": (q, [c.hidden_size]),
-            "gate_up": (c.hidden_size, [c.intermediate_size] * 2), "down": (c.intermediate_size, [c.hidden_size])}
+    shapes = projection_shapes(get_preset(model))
+    return {group: (shapes[names[0]][0], [shapes[n][1] for n in names]) for group, names in GROUPS.items()}
 
 
 class Group:
@@ -74,8 +73,7 @@ class Group:
 
 def _setup(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device):
     """(batch info, backend context, groups, distinct adapters) of a decode batch: token i on adapter i mod N."""
-    from backplane.lora.base import LoraBackendContext
-    from backplane.lora.batch_info import LoraBatchInfo
+    from backplane.lora import LoraBackendContext, LoraBatchInfo
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     slots = [1 + i % num_adapters for i in range(tokens)]
@@ -99,15 +97,19 @@ def _backend(ctx, info, configs: str | None = None, use_table: bool = True, **tu
     return backend
 
 
-def _reference(group: Group, ctx, info) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base output, torch_native's LoRA on it)."""
+def _native(ctx, info):
     from backplane.lora.torch_native import TorchNativeLoraBackend
 
     native = TorchNativeLoraBackend(ctx)
     native.prepare_batch(info)
+    return native
+
+
+def _reference(group: Group, ctx, info) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base output, torch_native's LoRA on it)."""
     base = torch.randn_like(group.out)
     group.out.copy_(base)
-    return base, group.lora(native).float().clone()
+    return base, group.lora(_native(ctx, info)).float().clone()
 
 
 def _check_against(group: Group, backend, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -118,11 +120,7 @@ def _check_against(group: Group, backend, reference: tuple[torch.Tensor, torch.T
 
 def _check_folded(group: Group, backend, ctx, info) -> None:
     """The folded path's output against the base GEMM plus torch_native's LoRA (bf16 tolerance)."""
-    from backplane.lora.torch_native import TorchNativeLoraBackend
-
-    native = TorchNativeLoraBackend(ctx)
-    native.prepare_batch(info)
-    want = native.apply_lora(group.x, group.a, group.b, group.offsets, group.base().clone()).float()
+    want = _native(ctx, info).apply_lora(group.x, group.a, group.b, group.offsets, group.base().clone()).float()
     torch.testing.assert_close(group.folded(backend).float(), want, atol=5e-2, rtol=2e-2)
 
 
@@ -204,18 +202,20 @@ def _one_per_bucket(entries: list[dict]) -> list[dict]:
     return list(kept.values())
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = report.parser(__doc__)
     p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--configs", metavar="TABLE.json", help="the tuned table to time with (default: the plugin's for this GPU)")
     p.add_argument("--tune", metavar="TABLE.json", help="first tune the fused kernel at --ranks x --tokens, write the "
                                                         "table here, then time the kernels with it")
-    report.add_output_args(p)
-    ns = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ns = parse_args(argv)
     device = torch.device(ns.device)
     torch.manual_seed(0)
     if ns.tune:
@@ -223,11 +223,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ns.configs = ns.tune
     rows = [kernel_report(ns.model, r, t, ns.adapters, device, ns.configs) for r in ns.ranks for t in ns.tokens]
     for row in rows:
-        row["verdict"] = f"fused {report.verdict(row['fused_vs_floor'], TARGET_VS_FLOOR)}, " \
-                         f"folded {report.verdict(row['folded_vs_floor'], TARGET_VS_FLOOR)} (<= {TARGET_VS_FLOOR}x floor)"
-    path = report.write_result("lora-kernels", ns.model, {"args": vars(ns), "rows": rows}, ns.out, ns.device)
-    print(f"wrote {path}")
-    print(report.table(rows, COLUMNS + [("verdict", "verdict", "")], f"{ns.model}: one layer's LoRA, µs"))
+        row["verdict"] = ", ".join(f"{k} {report.verdict(row[f'{k}_vs_floor'], TARGET_VS_FLOOR)}" for k in ("fused", "folded"))
+    report.write_result("lora-kernels", ns.model, {"args": vars(ns), "rows": rows}, ns.out, ns.device)
+    print(report.table(rows, COLUMNS, f"{ns.model}: one layer's LoRA, µs; verdicts: <= {TARGET_VS_FLOOR}x the floor"))
     return rows
 
 

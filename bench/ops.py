@@ -12,13 +12,12 @@ pays per op. GB/s: the bytes the op must move over the triton time.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import torch
 
 from bench import report
-from bench.timing import time_graph
+from bench.timing import time_graph, timed
 
 HIDDEN, INTER, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_SLOTS = 4096, 14336, 32, 8, 128, 65536
 COLUMNS = [("op", "op", ""), ("tokens", "tokens", "d"), ("triton", "triton_us", ".2f"), ("native", "native_us", ".2f"),
@@ -27,15 +26,10 @@ COLUMNS = [("op", "op", ""), ("tokens", "tokens", "d"), ("triton", "triton_us", 
 
 
 def eager_us(fn: Callable[[], object], calls: int = 200) -> float:
-    """Microseconds per call of back-to-back eager calls (the host's launch cost included)."""
+    """Microseconds per call of back-to-back eager calls (the host's launch cost included), after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / calls
+    return timed(lambda: [fn() for _ in range(calls)], "cuda")[0] * 1e6 / calls
 
 
 def cases(tokens: int) -> dict[str, tuple[tuple, int]]:
@@ -73,16 +67,19 @@ def bench_op(name: str, tokens: int, args: tuple, num_bytes: int) -> dict:
     return report.add_ratios([row], {"x_native": ("native_us", "triton_us"), "x_compiled": ("compiled_us", "triton_us")})[0]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = report.parser(__doc__, device=False)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 1024, 4096])
-    report.add_output_args(p)
-    ns = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ns = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.ops needs a CUDA GPU")
     torch._dynamo.config.cache_size_limit = 256
     rows = [bench_op(name, t, *case) for t in ns.tokens for name, case in cases(t).items()]
-    print(f"wrote {report.write_result('ops', 'llama-3.1-8b-shapes', {'args': vars(ns), 'rows': rows}, ns.out)}")
+    report.write_result("ops", "llama-3.1-8b-shapes", {"args": vars(ns), "rows": rows}, ns.out)
     print(report.table(rows, COLUMNS))
     return rows
 

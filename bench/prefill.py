@@ -15,7 +15,6 @@ cached: the per-call floor); medians of --repeats rounds, each on an emptied cac
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 
 import torch
@@ -34,16 +33,14 @@ PROBE_COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("prefix", 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = report.parser(__doc__)
     p.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     p.add_argument("--cases", nargs="+", default=["1x512", "1x2048", "4x2048", "8x1024"], metavar="BSxLENGTH")
     p.add_argument("--probe", type=int, nargs=2, default=(2048, 128), metavar=("PREFIX", "SUFFIX"),
                    help="the cached-prefix probe's lengths (0 0: no probe)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
-    report.add_output_args(p)
     ns = p.parse_args(argv)
     ns.cases = [tuple(int(n) for n in case.split("x")) for case in ns.cases]
     return ns
@@ -91,17 +88,14 @@ def cached_probe(engine: Engine, prefix: int, suffix: int, repeats: int) -> dict
 
 
 def measure_backend(ns: argparse.Namespace, model: str, backend: str) -> tuple[list[dict], dict | None]:
+    """One engine's rows (one per case) and its cached-prefix probe (None with --probe 0 0)."""
     longest = max(bs * n for bs, n in ns.cases + [(1, sum(ns.probe))])
-    engine = Engine(model, device=ns.device, attention_backend=backend, max_running_requests=max(bs for bs, _ in ns.cases),
-                    max_total_tokens=2 * longest + 4096, chunked_prefill_size=max(8192, longest))
-    rows = [{"model": model, "backend": backend, "batch_size": bs, "length": n,
-             "engine_ms": engine_prefill_ms(engine, bs, n, ns.repeats), "floor_ms": floor_ms(engine.runner.hf_config, bs, n)}
-            for bs, n in ns.cases]
-    probe = cached_probe(engine, *ns.probe, ns.repeats) | {"model": model, "backend": backend} if all(ns.probe) else None
-    engine.shutdown()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    with steps.built(model, device=ns.device, attention_backend=backend, max_running_requests=max(bs for bs, _ in ns.cases),
+                     max_total_tokens=2 * longest + 4096, chunked_prefill_size=max(8192, longest)) as engine:
+        rows = [{"model": model, "backend": backend, "batch_size": bs, "length": n,
+                 "engine_ms": engine_prefill_ms(engine, bs, n, ns.repeats),
+                 "floor_ms": floor_ms(engine.runner.hf_config, bs, n)} for bs, n in ns.cases]
+        probe = cached_probe(engine, *ns.probe, ns.repeats) | {"model": model, "backend": backend} if all(ns.probe) else None
     return rows, probe
 
 
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
             row["peer_ms"] = peers[(row["batch_size"], row["length"])]
         report.add_ratios(rows, {"ratio": ("engine_ms", "peer_ms"), "of_floor": ("engine_ms", "floor_ms")})
         payload = {"args": vars(ns), "rows": rows, "cached_probe": [p for p in probes if p["model"] == model]}
-        print(f"wrote {report.write_result('prefill', model, payload, ns.out, ns.device)}")
+        report.write_result("prefill", model, payload, ns.out, ns.device)
         all_rows += rows
     print(report.table(all_rows, COLUMNS))
     print(report.table(probes, PROBE_COLUMNS))

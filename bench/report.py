@@ -22,9 +22,13 @@ COMMIT_ENV = "BACKPLANE_BENCH_COMMIT"  # the commit where the tree has no git (t
 Column = tuple[str, str, str]  # (header, key of the row, format spec)
 
 
-def add_output_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=None,
-                        help="folder for the result JSON (default: $OUT when set, else bench/results)")
+def parser(doc: str, device: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's command line: the first line of its docstring, --out, and --device unless device is False."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=None, help="folder for the result JSON (default: $OUT when set, else bench/results)")
+    if device:
+        p.add_argument("--device", default="cuda")
+    return p
 
 
 def card(device_name: str) -> str:
@@ -69,10 +73,11 @@ def result_path(bench: str, subject: str, meta: dict[str, Any], out: str | Path 
 
 def write_result(bench: str, subject: str, payload: dict[str, Any], out: str | Path | None = None,
                  device: torch.device | str = "cuda") -> Path:
-    """Write {"meta": environment(device), **payload} to result_path(...) and return the path."""
+    """Write {"meta": environment(device), **payload} to result_path(...), say so, and return the path."""
     meta = environment(device)
     path = result_path(bench, subject, meta, out)
     path.write_text(json.dumps({"meta": meta, **payload}, indent=1, default=str))
+    print(f"wrote {path}", flush=True)
     return path
 
 

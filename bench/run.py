@@ -81,7 +81,7 @@ GROUPS: dict[str, list[Job]] = {
     "graphs": [Job(f"graphs-vs-eager-{b}", ("-m", "backplane.cli", "bench", "--json", "--model", "llama-3.2-1b",
                                             "--attention-backend", b, "--batch-size", "1", "8", "32", "64"))
                for b in ("triton", "flashinfer")],
-    "decode-1b": [bench("decode-1b", "decode", "--models", "llama-3.2-1b", "--profile", "1", "32", "--eager")],
+    "decode-1b": [bench("decode-1b", "decode", "--models", "llama-3.2-1b", "--profile", "1", "32")],
     "decode-8b": [bench("decode-8b", "decode", "--models", "llama-3.1-8b", "--profile", "1")],
     "compile": [bench("compile", "decode", "--models", "llama-3.2-1b", "--variants", "overlap", "compiled", "--rounds", "3")],
     "prefill-1b": [bench("prefill-1b", "prefill", "--models", "llama-3.2-1b")],

@@ -42,13 +42,8 @@ TARGETS = {"saturation": 0.9, "low_rate_ttft": 1.5, "ttft_allowance_ms": 5.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    engine_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                usage="%(prog)s [options] [-- engine flags for serve and the offline Engine]")
+    p = report.parser(__doc__)
     p.add_argument("--model", default="llama-3.2-1b", help="preset or model directory")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--request-rates", default="1,4,16,inf", help="requests/s, comma-separated; inf: all at once")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--max-duration", type=float, default=30.0, help="seconds of arrivals at a finite rate")
@@ -59,9 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probes", type=int, default=5, help="prefill probes on the offline Engine")
     p.add_argument("--no-offline", action="store_true", help="skip the offline Engine and the prefill probe")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    report.add_output_args(p)
+    p.add_argument("engine_args", nargs="*", metavar="-- ENGINE_FLAGS", help="for serve and the offline Engine")
     ns = p.parse_args(argv)
-    ns.engine_args = engine_args
     ns.rates = [float(r) for r in ns.request_rates.split(",")]
     if any(r <= 0 for r in ns.rates):
         p.error(f"--request-rates: expected positive numbers or inf, got {ns.request_rates!r}")

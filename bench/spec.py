@@ -21,7 +21,6 @@ lm_head rows past N are zero too, so the target's tokens stay among the ids the 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 from functools import partial
@@ -39,14 +38,12 @@ COMMON = dict(max_total_tokens=60000, max_running_requests=8, cuda_graph_max_bs=
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = report.parser(__doc__)
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--backend", default="triton")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--token-map", type=int, default=32768, metavar="N", help="also draft among the first N ids (0: no)")
     p.add_argument("--verify-batch-sizes", type=int, nargs="*", default=[1, 4, 8])
-    report.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -90,8 +87,8 @@ def verify_vs_decode(engine: Engine, batch_sizes: list[int], vocab: int, context
     """One runner forward each, on batches built beforehand: DECODE (1 token a request) and
     TARGET_VERIFY (NUM_DRAFT tokens a request, a chain mask); with graphs each is one replay plus
     the backend's replay metadata."""
-    from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
-    from backplane.engine.request import Req
+    from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
+    from backplane.scheduler.request import Req
     from backplane.speculative import DraftTree, alloc_verify_slots, verify_mask
     from backplane.speculative.verify_batch import build_verify_batch
 
@@ -145,36 +142,31 @@ def measure(ns: argparse.Namespace, folder: Path) -> dict:
     target, head = write_checkpoints(folder, ns.model, dtype, ns.device, ns.token_map)
     common = dict(COMMON, device=ns.device, dtype=str(dtype).removeprefix("torch."), attention_backend=ns.backend,
                   context_length=min(4096, config.max_position_embeddings))
-    eagle = dict(common, speculative_algorithm="eagle", speculative_draft_model=head, speculative_num_steps=STEPS,
-                 speculative_eagle_topk=1, speculative_num_draft_tokens=NUM_DRAFT)
+    options = {"draft_model": head, "num_steps": STEPS, "topk": 1}
+    eagle = dict(common, speculative_algorithm="eagle", speculative_num_draft_tokens=NUM_DRAFT,
+                 plugin_options={"eagle": options})
     torch.save(torch.arange(ns.token_map), folder / "token_map.pt")
-    runs = {"plain": common, f"eagle, token map {ns.token_map}": dict(eagle, speculative_token_map=str(folder / "token_map.pt"))}
+    mapped = dict(eagle, plugin_options={"eagle": dict(options, token_map=str(folder / "token_map.pt"))})
+    runs = {"plain": common, f"eagle, token map {ns.token_map}": mapped}
     vocab = min(1000, config.vocab_size)
     prompt = torch.randint(3, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     batch1 = []
     for name, settings in list(runs.items())[: 2 if ns.token_map else 1]:
-        engine = Engine(target, **settings)
-        batch1.append({"run": name, **tokens_per_s(engine, prompt, ns.new_tokens)})
-        engine.shutdown()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    engine = Engine(target, **eagle)
-    batch1.append({"run": "eagle", **tokens_per_s(engine, prompt, ns.new_tokens)})
-    for row in batch1:
-        row["speedup"] = row["tok_s"] / batch1[0]["tok_s"]
-    result = {"batch1": batch1, "verify_vs_decode": verify_vs_decode(engine, ns.verify_batch_sizes, vocab),
-              "draft_graph_memory": draft_graph_memory(engine) if ns.device == "cuda" else None}
-    engine.shutdown()
-    return result
+        with steps.built(target, **settings) as engine:
+            batch1.append({"run": name, **tokens_per_s(engine, prompt, ns.new_tokens)})
+    with steps.built(target, **eagle) as engine:
+        batch1.append({"run": "eagle", **tokens_per_s(engine, prompt, ns.new_tokens)})
+        for row in batch1:
+            row["speedup"] = row["tok_s"] / batch1[0]["tok_s"]
+        return {"batch1": batch1, "verify_vs_decode": verify_vs_decode(engine, ns.verify_batch_sizes, vocab),
+                "draft_graph_memory": draft_graph_memory(engine) if ns.device == "cuda" else None}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ns = parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         result = measure(ns, Path(folder))
-    path = report.write_result("spec", f"{ns.model}-{ns.backend}", {"args": vars(ns), **result}, ns.out, ns.device)
-    print(f"wrote {path}")
+    report.write_result("spec", f"{ns.model}-{ns.backend}", {"args": vars(ns), **result}, ns.out, ns.device)
     print(report.table(result["verify_vs_decode"], [("bs", "batch_size", "d"), ("decode ms", "decode_ms", ".3f"),
                        (f"verify({NUM_DRAFT}) ms", "verify_ms", ".3f"), ("ratio", "ratio", ".2f"), ("graphs", "graphs", "")]))
     print(report.table(result["batch1"], [("batch 1", "run", ""), ("tok/s", "tok_s", ".0f"), ("x plain", "speedup", ".2f"),

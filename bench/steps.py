@@ -4,11 +4,29 @@ and the device's idle gaps. (`backplane bench` times a one-batch step eager and 
 
 from __future__ import annotations
 
-import time
-from typing import Callable
+import contextlib
+import gc
+from typing import Callable, Iterator
+
+import torch
 
 from backplane import Engine, SamplingParams
-from bench.timing import device_gaps, device_kernels, events_ms, profiled, sync
+from bench.timing import device_gaps, device_kernels, events_ms, profiled, timed
+
+
+@contextlib.contextmanager
+def built(model: str, **settings) -> Iterator[Engine]:
+    """Engine(model, **settings), shut down on leaving (an error included) and its memory given back,
+    so that the next engine or the peer finds the device empty."""
+    engine = Engine(model, **settings)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def prompts_for(engine: Engine, bs: int, context: int) -> list[list[int]]:
@@ -24,14 +42,12 @@ def greedy(n: int) -> SamplingParams:
 def timed_generate(engine: Engine, prompts, params, lora=None) -> tuple[float, list]:
     """(seconds, outputs) of one generate call, the device synchronised around it; a RuntimeError
     naming the first error when a request failed."""
-    sync(engine.runner.device)
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params, lora=lora)
-    sync(engine.runner.device)
+    seconds, outs = timed(lambda: engine.generate(input_ids=prompts, sampling_params=params, lora=lora),
+                          engine.runner.device)
     errors = [o.error for o in outs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(outs)} requests failed, first: {errors[0]}")
-    return time.perf_counter() - start, outs
+    return seconds, outs
 
 
 def _generate(engine: Engine, prompts, n: int, lora=None) -> float:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 L2_FLUSH_BYTES = 256 << 20  # more than any current GPU's L2 (50-60 MB on the H100 and H200)
 H200_COPY_TB_S = 4.30  # device-to-device copy, bytes read + written (../shared/device/README.md)
 MATMUL_PEAK_FLOP_S = 680e12  # bf16 8192^3 matmul on the H200, the lower end of the measured range
+T = TypeVar("T")
 
 
 def sync(device: torch.device | str) -> None:
@@ -21,17 +22,20 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn: Callable[[], T], device: torch.device | str) -> tuple[float, T]:
+    """(seconds, fn()) of one call timed on the host, the device synchronised before and after it."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
 def wall_ms(fn: Callable[[], object], device: torch.device | str, repeats: int = 30, warmup: int = 2) -> float:
-    """Median milliseconds of fn(), each call timed on the host with the device synchronised around it."""
-    times = []
-    for i in range(warmup + repeats):
-        sync(device)
-        start = time.perf_counter()
+    """Median milliseconds of fn() over `repeats` timed calls (timed) after `warmup` untimed ones."""
+    for _ in range(warmup):
         fn()
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed(fn, device)[0] for _ in range(repeats)) * 1e3
 
 
 def events_ms(fn: Callable[[], object], reps: int = 50, warmup: int = 5) -> float:
@@ -99,9 +103,7 @@ def time_us(fn: Callable[[], object], device: torch.device, cold: bool = False) 
     if device.type == "cuda":
         return time_graph(fn, cold=cold)
     fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e6
+    return timed(fn, device)[0] * 1e6
 
 
 def copy_bandwidth_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:

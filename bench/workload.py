@@ -44,11 +44,9 @@ def shared_prefix(groups: int, per_group: int, prefix: int, suffix: int, vocab: 
 def model_sizes(config, dtype_bytes: int = 2) -> tuple[int, int]:
     """(KV bytes per token, parameters of the per-token matmuls: q/k/v/o and gate/up/down of every
     layer; the lm_head runs once per request in a prefill, so it is left out) of a Llama-family config."""
-    from backplane.models.config_utils import head_dim_of, num_kv_heads_of
-
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    q, kv = config.num_attention_heads * head_dim_of(config), num_kv_heads_of(config) * head_dim_of(config)
-    return layers * 2 * kv * dtype_bytes, layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    projections, layers = projection_shapes(config), config.num_hidden_layers
+    kv = projections["k_proj"][1]
+    return layers * 2 * kv * dtype_bytes, layers * sum(n_in * n_out for n_in, n_out in projections.values())
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

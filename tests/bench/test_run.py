@@ -26,6 +26,13 @@ def test_every_job_of_a_group_names_what_exists(group):
     assert not run.GROUPS[group][-1].together, "a group's last job must be waited for"
 
 
+@pytest.mark.parametrize("job", [j for jobs in run.GROUPS.values() for j in jobs if j.argv[1].startswith("bench.")],
+                         ids=lambda job: job.name)
+def test_every_benchmark_job_passes_arguments_its_benchmark_accepts(job):
+    module = importlib.import_module(job.argv[1])
+    assert module.parse_args(list(job.argv[2:])) is not None  # argparse exits on an unknown or malformed flag
+
+
 def sleeper(name: str, seconds: float, together: bool = False) -> run.Job:
     return run.Job(name, ("-c", f"import time; print('{name} ran'); time.sleep({seconds})"), together=together)
 
