@@ -9,6 +9,7 @@ this (HTTP) process keeps one.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -19,6 +20,8 @@ from pydantic import ValidationError
 from backplane.cli.args import add_model_flags, preflight
 from backplane.server.settings import ServeArgs
 from backplane.settings import SettingsError, format_validation_error
+
+logger = logging.getLogger(__name__)
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +69,7 @@ def _run_serve(ns: argparse.Namespace, args, plugin_set) -> int:
               file=sys.stderr)
     check_serve_dependencies()  # before the model loads
     check_listen_address(serve_args.host, serve_args.port)
-    print(f"backplane serve: {preflight(args)}", file=sys.stderr)
+    logger.info("backplane serve: %s", preflight(args))  # stderr stays one line when startup fails
     split_threads(args, serve_args)
     from backplane.server.launch import run_server
 

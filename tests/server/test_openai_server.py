@@ -258,7 +258,7 @@ HTTP_ROWS = [
     ("H12", C, {"prompt": []}, 400, "prompt", "prompt: expected at least one prompt, got []"),
     ("H13", C, {"prompt": [[1, "a"]]}, 400, "prompt",
      "prompt: expected a string, a list of strings, a list of token ids or a list of lists of token ids"),
-    ("H14", C, {"prompt": "hi", "max_tokens": 3000}, 400, "prompt",
+    ("H14", C, {"prompt": "hi", "max_tokens": 3000}, 400, "max_tokens",
      "prompt of 3 tokens + max_tokens 3000 exceeds the context length 2048"),
     ("H15", C, {"prompt": [1, 99999]}, 400, "prompt", "token id 99999 is outside the vocabulary; expected ids in [0, 512)"),
     ("H16", C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
