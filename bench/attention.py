@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from bench import report
-from bench.timing import peak_bytes_per_s, time_cold
+from bench.timing import copy_tb_s, time_cold
 
 HEADS, KV_HEADS, DTYPE = 32, 8, torch.bfloat16
 EXTEND_CASES = [(4, 0, 2048), (1, 0, 8192), (8, 2048, 256)]  # (batch, cached prefix, new tokens)
@@ -121,7 +121,7 @@ def measure(w: Workload, kind: str, case: str, impl: str, fn, reference, note: s
     out = fn()
     us, mode = time_cold(fn)
     return {"kind": kind, "case": case, "impl": impl, "us": us, "tb_s": w.kv_bytes() / us / 1e6,
-            "tflop_s": w.causal_flops() / us / 1e6, "roofline": w.kv_bytes() / us / 1e6 / (peak_bytes_per_s() / 1e12),
+            "tflop_s": w.causal_flops() / us / 1e6, "roofline": w.kv_bytes() / us / 1e6 / copy_tb_s(),
             "max_abs_diff": None if reference is None else float((out.float() - reference.float()).abs().max()),
             "note": f"{note} [{mode}]".strip()}
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     extend = [("extend", *case) for case in EXTEND_CASES]
     cases = [c for c in decode + extend if ns.only in (None, c[0])]
     rows = [row for case in cases for row in bench_case(fi, workspace, *case, ns)]
-    meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": ns.head_dim, "peak_tb_s": peak_bytes_per_s() / 1e12}
+    meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": ns.head_dim, "peak_tb_s": copy_tb_s()}
     report.write_result("attention", f"{ns.only or 'all'}-hd{ns.head_dim}", {"args": vars(ns), **meta, "rows": rows}, ns.out)
     print(report.table(rows, COLUMNS, f"peak for roofline {meta['peak_tb_s']:.2f} TB/s (measured copy)"))
     return rows

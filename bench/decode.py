@@ -15,14 +15,13 @@ bandwidth. --profile BS splits a step of the first variant (and the peer's kerne
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 
 import torch
 
 from backplane import Engine
 from bench import peer, report, steps
-from bench.timing import copy_bandwidth_tb_s
+from bench.timing import copy_tb_s
 from bench.workload import weight_bytes
 
 VARIANTS = {  # name -> the Engine settings that differ from the default engine
@@ -55,23 +54,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_settings(ns: argparse.Namespace, backend: str, variant: str) -> dict:
+def engine_settings(ns: argparse.Namespace, model: str, backend: str, variant: str) -> dict:
     bs = max(ns.batch_sizes)
-    return dict(device=ns.device, attention_backend=backend, max_running_requests=bs,
+    return dict(model=model, device=ns.device, attention_backend=backend, max_running_requests=bs,
                 max_total_tokens=2 * bs * (ns.context + ns.steps + 64), cuda_graph_bs=ns.batch_sizes,
                 chunked_prefill_size=max(8192, ns.context), tp_size=ns.tp_size, **VARIANTS[variant])
 
 
-def measure_backend(ns: argparse.Namespace, model: str, backend: str, tb_s: float) -> tuple[list[dict], dict]:
-    """Rows (one per variant and batch size) and each variant's graph capture, engines built side by side."""
-    with contextlib.ExitStack() as stack:
-        engines = {v: stack.enter_context(steps.built(model, **engine_settings(ns, backend, v))) for v in ns.variants}
-        floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
-        samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds,
-                                    lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
-        rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms)
-                | {"model": model, "backend": backend, "variant": v, "floor_ms": floor} for (v, bs), ms in samples.items()]
-        return rows, {v: steps.graph_capture(e) for v, e in engines.items()}
+def measure_engines(ns: argparse.Namespace, engines: dict[str, Engine], tb_s: float) -> tuple[list[dict], dict]:
+    """Rows (one per variant and batch size) and each variant's graph capture, of engines built side by side."""
+    floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
+    samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds,
+                                lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
+    rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms) | {"variant": v, "floor_ms": floor}
+            for (v, bs), ms in samples.items()]
+    return rows, {v: steps.graph_capture(e) for v, e in engines.items()}
 
 
 def measure_row(ns: argparse.Namespace, engine: Engine, first: bool, bs: int, runs_ms: list[float]) -> dict:
@@ -102,14 +99,15 @@ def add_peer(ns: argparse.Namespace, model: str, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ns = parse_args(argv)
-    tb_s = copy_bandwidth_tb_s(ns.device)
+    tb_s = copy_tb_s(ns.device)
     print(f"device copy bandwidth {tb_s:.2f} TB/s (the floors')")
     all_rows = []
     for model in ns.models:
         rows, captures = [], {}
         for backend in ns.backends:
-            backend_rows, captures[backend] = measure_backend(ns, model, backend, tb_s)
-            rows += backend_rows
+            settings = {v: engine_settings(ns, model, backend, v) for v in ns.variants}
+            backend_rows, captures[backend] = steps.with_engines(settings, lambda e: measure_engines(ns, e, tb_s))
+            rows += [r | {"model": model, "backend": backend} for r in backend_rows]
             payload = {"args": vars(ns), "copy_tb_s": tb_s, "captures": captures, "rows": rows}
             report.write_result("decode", model, payload, ns.out, ns.device)  # a run cut short keeps these
         add_peer(ns, model, rows)

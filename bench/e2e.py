@@ -21,7 +21,7 @@ import statistics
 
 from backplane import Engine, SamplingParams
 from bench import report, steps
-from bench.timing import MATMUL_PEAK_FLOP_S, copy_bandwidth_tb_s
+from bench.timing import MATMUL_PEAK_FLOP_S, copy_tb_s
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
 COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("cache", "cache", ""), ("tok/s", "tok_s", ".0f"),
@@ -101,9 +101,10 @@ def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float)
 def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float) -> list[dict]:
     # Graphs up to the running batch: past --cuda-graph-max-bs (160 by default) a decode step runs
     # eagerly, which on a small model costs several times the replayed step.
-    with steps.built(ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
-                     cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off") as engine:
-        return [run_workload(ns, engine, kind, tb_s) | {"backend": backend, "cache": cache} for kind in ns.workloads]
+    settings = dict(model=ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
+                    cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off")
+    rows = steps.with_engine(settings, lambda engine: [run_workload(ns, engine, kind, tb_s) for kind in ns.workloads])
+    return [r | {"backend": backend, "cache": cache} for r in rows]
 
 
 def cache_gains(rows: list[dict]) -> list[str]:
@@ -116,7 +117,7 @@ def cache_gains(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ns = parse_args(argv)
-    tb_s, rows = copy_bandwidth_tb_s(ns.device), []
+    tb_s, rows = copy_tb_s(ns.device), []
     for backend in ns.backends:
         for cache in ns.cache:
             rows += run_engine(ns, backend, cache, tb_s)

@@ -18,7 +18,6 @@ uses (the folded GEMM reads every slot's A), over the base weights. The kernels 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import tempfile
 from pathlib import Path
@@ -57,22 +56,27 @@ def adapter_paths(ns: argparse.Namespace, folder: Path, rank: int) -> list[str]:
     return [f"a{i}={folder / f'r{rank}' / f'a{i}'}" for i in range(ns.adapters)]
 
 
-def build_engines(ns: argparse.Namespace, folder: Path, stack: contextlib.ExitStack) -> dict[str, tuple[Engine, int | None]]:
-    """variant -> (engine, rank), each engine shut down when `stack` closes; lora-off is the first LoRA engine."""
+def engine_settings(ns: argparse.Namespace, folder: Path) -> dict[str, dict]:
+    """Engine settings per engine: base, then per rank one LoRA engine per decode path (--paths)."""
     bs = max(ns.batch_sizes)
-    common = dict(device=ns.device, max_running_requests=bs, cuda_graph_bs=sorted(ns.batch_sizes),
-                  max_total_tokens=2 * bs * (ns.input_len + ns.steps + 64), disable_overlap_schedule=not ns.overlap,
-                  chunked_prefill_size=max(bs * ns.input_len, 8192))
-    engines = {"base": (stack.enter_context(steps.built(ns.model, **common)), None)}
+    base = dict(model=ns.model, device=ns.device, max_running_requests=bs, cuda_graph_bs=sorted(ns.batch_sizes),
+                max_total_tokens=2 * bs * (ns.input_len + ns.steps + 64), disable_overlap_schedule=not ns.overlap,
+                chunked_prefill_size=max(bs * ns.input_len, 8192))
+    settings = {"base": base}
     for rank in ns.ranks:
-        lora = dict(common, lora_paths=adapter_paths(ns, folder, rank), lora_backend=ns.lora_backend,
+        lora = dict(base, lora_paths=adapter_paths(ns, folder, rank), lora_backend=ns.lora_backend,
                     max_loras_per_batch=ns.adapters, max_lora_rank=rank)
         for path in ns.paths:
-            settings = dict(lora, plugin_options={"triton-lora": {"decode_path": path}})
-            engines[f"{'lora' if path == 'fused' else 'folded'}-r{rank}"] = (stack.enter_context(steps.built(
-                ns.model, **settings)), rank)
+            name = f"{'lora' if path == 'fused' else 'folded'}-r{rank}"
+            settings[name] = dict(lora, plugin_options={"triton-lora": {"decode_path": path}})
+    return settings
+
+
+def variants(engines: dict[str, Engine]) -> dict[str, tuple[Engine, int | None]]:
+    """variant -> (engine, LoRA rank or None); lora-off is the first LoRA engine, every request base only."""
     first = next(name for name in engines if name != "base")
-    return {"base": engines.pop("base"), "lora-off": (engines[first][0], None), **engines}
+    ranked = {name: (engine, int(name.rsplit("-r", 1)[1])) for name, engine in engines.items() if name != "base"}
+    return {"base": (engines["base"], None), "lora-off": (engines[first], None), **ranked}
 
 
 def read_floor_ratio(model: str, rank: int, bs: int, adapters: int, folded: bool) -> float:
@@ -89,8 +93,17 @@ def read_floor_ratio(model: str, rank: int, bs: int, adapters: int, folded: bool
     return (base + (adapters if folded else used) * a + used * b) / base
 
 
-def measure(ns: argparse.Namespace, engines: dict) -> list[dict]:
-    def adapters(name: str, bs: int) -> list[str] | None:  # request i on adapter i mod N, on a LoRA engine
+def verdict(ns: argparse.Namespace, variant: str, x_base: float) -> str:
+    """The variant's step against its target (TARGETS); "" for base, "n/a" off the GPU."""
+    if variant == "base" or ns.device != "cuda":
+        return "" if variant == "base" else "n/a (not a GPU run)"
+    target = TARGETS["lora-off" if variant == "lora-off" else "lora"]
+    return f"{report.verdict(x_base, target)} (<= {target}x)"
+
+
+def measure(ns: argparse.Namespace, engines: dict[str, tuple[Engine, int | None]]) -> list[dict]:
+    """One row per batch size and variant (interleaved rounds; request i on adapter i mod N on a LoRA engine)."""
+    def adapters(name: str, bs: int) -> list[str] | None:
         return [f"a{i % ns.adapters}" for i in range(bs)] if engines[name][1] is not None else None
 
     samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds, lambda name, bs: steps.engine_step_ms(
@@ -98,27 +111,29 @@ def measure(ns: argparse.Namespace, engines: dict) -> list[dict]:
     rows = []
     for (name, bs), ms in samples.items():
         engine, rank = engines[name]
-        base = statistics.median(samples[("base", bs)])
-        row = {"batch_size": bs, "variant": name, "step_ms": statistics.median(ms), "runs_ms": ms,
-               "x_base": statistics.median(ms) / base}
+        step = statistics.median(ms)
+        x_base = step / statistics.median(samples[("base", bs)])
+        row = {"batch_size": bs, "variant": name, "step_ms": step, "runs_ms": ms, "x_base": x_base,
+               "verdict": verdict(ns, name, x_base)}
         if rank is not None:
             row["read_floor_x"] = read_floor_ratio(ns.model, rank, bs, ns.adapters, name.startswith("folded"))
-        target = TARGETS["lora-off" if name == "lora-off" else "lora"] if name != "base" else None
-        row["verdict"] = "" if not target else f"{report.verdict(row['x_base'], target)} (<= {target}x)" \
-            if ns.device == "cuda" else "n/a (not a GPU run)"
         if ns.profile and bs == min(ns.batch_sizes):
             row["profile"] = steps.profile_step(engine, bs, ns.input_len, lora=adapters(name, bs))
         rows.append(row)
     return sorted(rows, key=lambda r: r["batch_size"])
 
 
+def lora_summaries(engines: dict[str, Engine]) -> dict[str, dict]:
+    """Each engine's LoRA backend as the engine reports it, less the adapters' (temporary) paths."""
+    return {name: {k: v for k, v in (engine.backends.get("lora") or {}).items() if k != "adapters"}
+            for name, engine in engines.items()}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ns = parse_args(argv)
-    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
-        engines = build_engines(ns, Path(folder), stack)
-        rows = measure(ns, engines)
-        summaries = {name: {k: v for k, v in (engine.backends.get("lora") or {}).items() if k != "adapters"}
-                     for name, (engine, _) in engines.items()}  # adapters: temporary paths
+    with tempfile.TemporaryDirectory() as folder:
+        rows, summaries = steps.with_engines(engine_settings(ns, Path(folder)),
+                                             lambda engines: (measure(ns, variants(engines)), lora_summaries(engines)))
     report.write_result("lora", ns.model, {"args": vars(ns), "backends": summaries, "rows": rows}, ns.out, ns.device)
     print(report.table(rows, COLUMNS, f"{ns.model}: {ns.adapters} adapters on all seven projections, decode steps"))
     return rows

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench import report
-from bench.timing import peak_bytes_per_s, time_us
+from bench.timing import copy_tb_s, time_us
 from bench.workload import projection_shapes
 
 TARGET_VS_FLOOR = 4.0
@@ -143,7 +143,7 @@ def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device:
             "segmented_cold_us": time_us(lambda g=g: g.lora(segmented), device, cold=True),
             "folded_cold_us": time_us(lambda g=g: g.folded(fused), device, cold=True) - base_cold,
             "base_gemm_cold_us": base_cold, "tuned": len(fused.tuned) > 0,
-            "floor_us": g.bytes_per_adapter() * distinct / peak_bytes_per_s(device.type) * 1e6}
+            "floor_us": g.bytes_per_adapter() * distinct / copy_tb_s(device.type) / 1e6}
     totals = {k: sum(g[k] for g in per_group.values()) for k in per_group["qkv"] if k != "tuned"}
     # the cold figures against the floor: the floor reads from HBM, as a model step's LoRA kernels do
     return {"rank": rank, "tokens": tokens, "distinct_adapters": distinct, **totals, "groups": per_group,

@@ -4,12 +4,10 @@ the engine's process. The engine is compared with it side by side (bench/decode.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
-from bench.timing import device_kernels, profiled, sync, wall_ms
+from bench.timing import device_kernels, profiled, timed, wall_ms
 
 
 class PeerLlama(torch.nn.Module):
@@ -113,11 +111,7 @@ def decode_ms(cfg, bs: int, context: int, steps: int, device: torch.device, comp
             ids = step(ids, pos).clone().view(bs, 1)
 
     run(3)  # warm-up and capture
-    sync(device)
-    start = time.perf_counter()
-    run(steps)
-    sync(device)
-    ms = (time.perf_counter() - start) * 1e3 / steps
+    ms = timed(lambda: run(steps), device)[0] * 1e3 / steps
     if not (profile and device.type == "cuda"):
         return ms, None
     kernels = device_kernels(profiled(lambda: run(steps), device)[0], steps)

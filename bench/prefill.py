@@ -87,16 +87,17 @@ def cached_probe(engine: Engine, prefix: int, suffix: int, repeats: int) -> dict
             "ratio": cac / unc, "ratio_above_floor": (cac - flo) / (unc - flo) if unc > flo else None}
 
 
-def measure_backend(ns: argparse.Namespace, model: str, backend: str) -> tuple[list[dict], dict | None]:
-    """One engine's rows (one per case) and its cached-prefix probe (None with --probe 0 0)."""
+def engine_settings(ns: argparse.Namespace, model: str, backend: str) -> dict:
     longest = max(bs * n for bs, n in ns.cases + [(1, sum(ns.probe))])
-    with steps.built(model, device=ns.device, attention_backend=backend, max_running_requests=max(bs for bs, _ in ns.cases),
-                     max_total_tokens=2 * longest + 4096, chunked_prefill_size=max(8192, longest)) as engine:
-        rows = [{"model": model, "backend": backend, "batch_size": bs, "length": n,
-                 "engine_ms": engine_prefill_ms(engine, bs, n, ns.repeats),
-                 "floor_ms": floor_ms(engine.runner.hf_config, bs, n)} for bs, n in ns.cases]
-        probe = cached_probe(engine, *ns.probe, ns.repeats) | {"model": model, "backend": backend} if all(ns.probe) else None
-    return rows, probe
+    return dict(model=model, device=ns.device, attention_backend=backend, max_running_requests=max(bs for bs, _ in ns.cases),
+                max_total_tokens=2 * longest + 4096, chunked_prefill_size=max(8192, longest))
+
+
+def measure_engine(ns: argparse.Namespace, engine: Engine) -> tuple[list[dict], dict | None]:
+    """One engine's rows (one per case) and its cached-prefix probe (None with --probe 0 0)."""
+    rows = [{"batch_size": bs, "length": n, "engine_ms": engine_prefill_ms(engine, bs, n, ns.repeats),
+             "floor_ms": floor_ms(engine.runner.hf_config, bs, n)} for bs, n in ns.cases]
+    return rows, cached_probe(engine, *ns.probe, ns.repeats) if all(ns.probe) else None
 
 
 def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     for model in ns.models:
         rows = []
         for backend in ns.backends:
-            backend_rows, probe = measure_backend(ns, model, backend)
-            rows += backend_rows
-            probes += [probe] if probe else []
+            backend_rows, probe = steps.with_engine(engine_settings(ns, model, backend), lambda e: measure_engine(ns, e))
+            rows += [r | {"model": model, "backend": backend} for r in backend_rows]
+            probes += [probe | {"model": model, "backend": backend}] if probe else []
         peers = {case: peer.prefill_ms(get_preset(model), *case, torch.device(ns.device), not ns.no_compile, ns.repeats)
                  for case in ns.cases}  # after the engines are gone: both never hold memory at once
         for row in rows:

@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import COMMIT_ENV
+from bench.report import COMMIT_ENV, table
 
 MIN_JOB_S, GRACE_S = 30, 15  # a job needs MIN_JOB_S to start; SIGKILL GRACE_S after the deadline's SIGINT
 SERIAL = "share_the_pool or shares_the_pool"  # tests that read the device's free memory: run alone
 AOT_PARTS = ".device/flashinfer-aot.tar.xz.part-*"
+SUMMARY = [("group", "group", ""), ("job", "job", ""), ("rc", "rc", ""), ("s", "seconds", ".0f"), ("last line", "last", "")]
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,14 @@ class Job:
 
 
 def tests(name: str, *paths: str, k: str | None = None, together: bool = False, env=()) -> Job:
+    """pytest -m gpu over `paths` (and -k k)."""
     argv = ("-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "--durations=5", *paths)
     return Job(name, argv + (("-k", k) if k else ()), tuple(env), together)
 
 
-def bench(name: str, module: str, *args: str) -> Job:
-    return Job(name, ("-m", f"bench.{module}", *args))
+def bench(name: str, command: str) -> Job:
+    """`python -m bench.<command>`, e.g. bench("e2e-8b", "e2e --model llama-3.1-8b")."""
+    return Job(name, ("-m", f"bench.{command.split()[0]}", *command.split()[1:]))
 
 
 def matrix_shards(n: int) -> list[Job]:
@@ -59,50 +62,45 @@ def matrix_shards(n: int) -> list[Job]:
             for i in range(n)]
 
 
-DECODE_TESTS = ("tests/gpu/test_attention_triton_gpu.py", "tests/gpu/test_overlap_gpu.py", "tests/gpu/test_graph_runner_gpu.py")
+GPU = "tests/gpu/test_{}_gpu.py".format
+DECODE_TESTS = (GPU("attention_triton"), GPU("overlap"), GPU("graph_runner"))
+LORA_TESTS, PARALLEL = (GPU("lora"), GPU("lora_triton")), f"not ({SERIAL})"
+PREFIX_CACHE = "--workloads shared-prefix distinct --cache on off"
 GROUPS: dict[str, list[Job]] = {
-    "quick": [tests("quick-triton", *DECODE_TESTS, k=f"not ({SERIAL})", together=True),
-              tests("quick-flashinfer", "tests/gpu/test_attention_flashinfer_gpu.py")],
-    "tests": [tests("tests-flashinfer", "tests/gpu/test_attention_flashinfer_gpu.py", k=f"not ({SERIAL})", together=True),
-              tests("tests-conformance", "tests/gpu/test_conformance_gpu.py", k=f"not ({SERIAL})", together=True),
-              tests("tests-model-spec", "tests/gpu/test_model_backends_gpu.py", "tests/gpu/test_spec_gpu.py",
-                    k=f"not ({SERIAL})", together=True),
-              tests("tests-ops", "tests/gpu/test_ops_triton_gpu.py", "tests/ops/test_ops.py", together=True),
-              tests("tests-triton-graphs-lora", *DECODE_TESTS, "tests/gpu/test_lora_gpu.py", "tests/gpu/test_lora_triton_gpu.py",
-                    "tests/gpu/test_prefix_cache_gpu.py", "tests/models/test_models_vs_hf.py", "tests/distributed/test_tp.py",
-                    k=f"not ({SERIAL})"),
-              tests("tests-graph-memory", "tests/gpu/test_graph_runner_gpu.py", "tests/gpu/test_spec_gpu.py", k=SERIAL)],
+    "quick": [tests("quick-triton", *DECODE_TESTS, k=PARALLEL, together=True),
+              tests("quick-flashinfer", GPU("attention_flashinfer"))],
+    "tests": [tests("tests-flashinfer", GPU("attention_flashinfer"), k=PARALLEL, together=True),
+              tests("tests-conformance", GPU("conformance"), k=PARALLEL, together=True),
+              tests("tests-model-spec", GPU("model_backends"), GPU("spec"), k=PARALLEL, together=True),
+              tests("tests-ops", GPU("ops_triton"), "tests/ops/test_ops.py", together=True),
+              tests("tests-triton-graphs-lora", *DECODE_TESTS, *LORA_TESTS, GPU("prefix_cache"),
+                    "tests/models/test_models_vs_hf.py", "tests/distributed/test_tp.py", k=PARALLEL),
+              tests("tests-graph-memory", GPU("graph_runner"), GPU("spec"), k=SERIAL)],
     "matrix": matrix_shards(4),
-    "kernels": [bench("attention", "attention", "--sweep"), bench("lora-kernels", "lora_kernels"),
-                bench("ops", "ops")],
-    "attention-1b": [bench("attention-hd64", "attention", "--only", "decode", "--sweep", "--head-dim", "64",
-                           "--decode-cases", "1x512", "8x512", "32x512", "32x2048")],
-    "ops": [tests("ops-tests", "tests/gpu/test_ops_triton_gpu.py"), bench("ops", "ops")],
+    "kernels": [bench("attention", "attention --sweep"), bench("lora-kernels", "lora_kernels"), bench("ops", "ops")],
+    "attention-1b": [bench("attention-hd64", "attention --only decode --sweep --head-dim 64 --decode-cases 1x512 8x512 "
+                           "32x512 32x2048")],
+    "ops": [tests("ops-tests", GPU("ops_triton")), bench("ops", "ops")],
     "graphs": [Job(f"graphs-vs-eager-{b}", ("-m", "backplane.cli", "bench", "--json", "--model", "llama-3.2-1b",
                                             "--attention-backend", b, "--batch-size", "1", "8", "32", "64"))
                for b in ("triton", "flashinfer")],
-    "decode-1b": [bench("decode-1b", "decode", "--models", "llama-3.2-1b", "--profile", "1", "32")],
-    "decode-8b": [bench("decode-8b", "decode", "--models", "llama-3.1-8b", "--profile", "1")],
-    "compile": [bench("compile", "decode", "--models", "llama-3.2-1b", "--variants", "overlap", "compiled", "--rounds", "3")],
-    "prefill-1b": [bench("prefill-1b", "prefill", "--models", "llama-3.2-1b")],
-    "prefill-8b": [bench("prefill-8b", "prefill", "--models", "llama-3.1-8b")],
-    "e2e-1b": [bench("e2e-1b", "e2e", "--model", "llama-3.2-1b", "--repeats", "3")],
-    "e2e-8b": [bench("e2e-8b", "e2e", "--model", "llama-3.1-8b")],
-    "prefix-cache": [tests("prefix-cache-tests", "tests/gpu/test_prefix_cache_gpu.py"),
-                     bench("prefix-cache", "e2e", "--model", "llama-3.2-1b", "--workloads", "shared-prefix", "distinct",
-                           "--cache", "on", "off", "--repeats", "3")],
-    "prefix-cache-8b": [bench("prefix-cache-8b", "e2e", "--model", "llama-3.1-8b", "--workloads", "shared-prefix",
-                              "distinct", "--cache", "on", "off", "--repeats", "2")],
-    "lora": [tests("lora-tests", "tests/gpu/test_lora_gpu.py", "tests/gpu/test_lora_triton_gpu.py"),
-             bench("lora", "lora"), bench("lora-kernels", "lora_kernels")],
-    "lora-tune": [bench("lora-tune", "lora_kernels", "--ranks", "16", "64", "--tokens", "1", "8", "32",
-                        "--tune", "{out}/lora_triton_configs.json")],
-    "spec": [tests("spec-tests-triton", "tests/gpu/test_spec_gpu.py", "tests/gpu/test_conformance_gpu.py",
-                   k=f"triton and (eagle or graphs) and not ({SERIAL})", together=True),
-             tests("spec-tests-flashinfer", "tests/gpu/test_spec_gpu.py", "tests/gpu/test_conformance_gpu.py",
-                   k=f"flashinfer and (eagle or graphs) and not ({SERIAL})"),
-             tests("spec-tests-pool", "tests/gpu/test_spec_gpu.py", k=SERIAL), bench("spec", "spec")],
-    "serving": [bench("serving", "serving", "--model", "llama-3.2-1b", "--", "--attention-backend", "triton")],
+    "decode-1b": [bench("decode-1b", "decode --models llama-3.2-1b --profile 1 32")],
+    "decode-8b": [bench("decode-8b", "decode --models llama-3.1-8b --profile 1")],
+    "compile": [bench("compile", "decode --models llama-3.2-1b --variants overlap compiled --rounds 3")],
+    "prefill-1b": [bench("prefill-1b", "prefill --models llama-3.2-1b")],
+    "prefill-8b": [bench("prefill-8b", "prefill --models llama-3.1-8b")],
+    "e2e-1b": [bench("e2e-1b", "e2e --model llama-3.2-1b --repeats 3")],
+    "e2e-8b": [bench("e2e-8b", "e2e --model llama-3.1-8b")],
+    "prefix-cache": [tests("prefix-cache-tests", GPU("prefix_cache")),
+                     bench("prefix-cache", f"e2e --model llama-3.2-1b {PREFIX_CACHE} --repeats 3")],
+    "prefix-cache-8b": [bench("prefix-cache-8b", f"e2e --model llama-3.1-8b {PREFIX_CACHE} --repeats 2")],
+    "lora": [tests("lora-tests", *LORA_TESTS), bench("lora", "lora"), bench("lora-kernels", "lora_kernels")],
+    "lora-tune": [bench("lora-tune", "lora_kernels --ranks 16 64 --tokens 1 8 32 --tune {out}/lora_triton_configs.json")],
+    "spec": [tests("spec-tests-triton", GPU("spec"), GPU("conformance"), k=f"triton and (eagle or graphs) and {PARALLEL}",
+                   together=True),
+             tests("spec-tests-flashinfer", GPU("spec"), GPU("conformance"), k=f"flashinfer and (eagle or graphs) and {PARALLEL}"),
+             tests("spec-tests-pool", GPU("spec"), k=SERIAL), bench("spec", "spec")],
+    "serving": [bench("serving", "serving --model llama-3.2-1b -- --attention-backend triton")],
 }
 
 
@@ -201,7 +199,7 @@ def save_flashinfer_aot(out: Path) -> str:
     return f"flashinfer: {len(names)} JIT-built modules saved"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("groups", nargs="*", metavar="GROUP")
     p.add_argument("--list", action="store_true", help="print every group's jobs and exit")
@@ -210,32 +208,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=560.0, help="seconds for all the jobs together (one call: 600)")
     p.add_argument("--commit", default=None, help="the commit to name in result files (no git on the GPU machine)")
     p.add_argument("--save-flashinfer-aot", action="store_true")
-    ns = p.parse_args(argv)
-    unknown = [g for g in ns.groups if g not in GROUPS]
-    if ns.list or unknown or not ns.groups:
-        print("\n".join(f"{name}: {', '.join(j.name for j in jobs)}" for name, jobs in GROUPS.items()))
-        return 2 if unknown or not (ns.list or ns.groups) else 0
-    deadline = time.monotonic() + ns.budget
-    if ns.commit:
-        os.environ[COMMIT_ENV] = ns.commit
-    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench-run-"))
+    return p.parse_args(argv)
+
+
+def run_groups(ns: argparse.Namespace, out: Path, deadline: float) -> tuple[list[str], list[dict]]:
+    """(notes, one summary row per job) of every named group, each in (and packed from) out/<group>."""
     lines, rows = prepare(), []
     for group in ns.groups:
         folder = out / group
         folder.mkdir(parents=True, exist_ok=True)
         jobs = [j for j in GROUPS[group] if not ns.only or j.name in ns.only]
         rows += [{"group": group, **r} for r in run_group(jobs, folder, deadline)]
-        if group == "matrix":
-            lines.append(merge_matrix(folder))
+        lines += [merge_matrix(folder)] if group == "matrix" else []
         if os.environ.get("OUT"):
             shutil.make_archive(str(folder), "gztar", folder)
             shutil.rmtree(folder)
-    if ns.save_flashinfer_aot:
-        lines.append(save_flashinfer_aot(out))
-    from bench.report import table
+    return lines + ([save_flashinfer_aot(out)] if ns.save_flashinfer_aot else []), rows
 
-    print("\n".join(lines + [f"results under {out}", table(rows, [("group", "group", ""), ("job", "job", ""), ("rc", "rc", ""),
-                                                                  ("s", "seconds", ".0f"), ("last line", "last", "")])]))
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    deadline, unknown = time.monotonic() + ns.budget, [g for g in ns.groups if g not in GROUPS]
+    if ns.list or unknown or not ns.groups:
+        print("\n".join(f"{name}: {', '.join(j.name for j in jobs)}" for name, jobs in GROUPS.items()))
+        return 2 if unknown or not (ns.list or ns.groups) else 0
+    if ns.commit:
+        os.environ[COMMIT_ENV] = ns.commit
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench-run-"))
+    lines, rows = run_groups(ns, out, deadline)
+    print("\n".join(lines + [f"results under {out}", table(rows, SUMMARY)]))
     return 0 if all(r["rc"] in (0, 5) for r in rows) else 1  # 5: pytest selected no test
 
 

@@ -24,21 +24,22 @@ import argparse
 import asyncio
 import json
 import math
-import signal
-import statistics
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench import report
+from bench import report, steps
 from bench.e2e import timed_run
 from bench.serving_client import Workload, line_of, make_workload, rate_name, run_rate, summarize
-from bench.workload import prompts
 
 CLIENT_DEPENDENCIES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 MIN_REQUESTS_PER_RATE = 8
 TARGETS = {"saturation": 0.9, "low_rate_ttft": 1.5, "ttft_allowance_ms": 5.0}
+LATENCIES = ("ttft", "itl", "e2e")
+COLUMNS = [("rate", "rate", ""), ("ok", "ok", ""), ("tok/s", "tok_s", ".0f")] + [
+    (f"{k.upper()} {q} ms", f"{k}_{q}", ".1f") for k in LATENCIES for q in ("p50", "p99")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,22 +83,14 @@ def requests_at(rate: float, ns: argparse.Namespace) -> int:
     return min(ns.num_prompts, max(MIN_REQUESTS_PER_RATE, math.ceil(rate * ns.max_duration)))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """`backplane serve` in a subprocess on a free port, ready once /health answers 200."""
 
     def __init__(self, engine_argv: list[str], log_path: Path, timeout: float):
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.log = open(log_path, "w")
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url, self.log_path, self.log = f"http://127.0.0.1:{port}", log_path, open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "backplane.cli", "serve", "--port", str(port),
                                       *engine_argv], stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready(timeout)
@@ -125,7 +118,7 @@ class ServerProcess:
     def stop(self) -> int:
         """SIGTERM (drains, exits 0), then wait; kill after 60 s. The exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.terminate()
         try:
             code = self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -168,34 +161,31 @@ async def run_http(url: str, warmup: Workload, per_rate: dict[str, Workload], ns
 def run_offline(engine_argv: list[str], warmup: Workload, work: Workload, probe_len: int,
                 ns: argparse.Namespace) -> dict:
     """Every request at once through Engine.generate, then the prefill probe, on one engine."""
-    from backplane import Engine, SamplingParams
     from backplane.cli import parse_server_args
     from backplane.plugin.manager import load_plugins
 
-    plugin_set = load_plugins()
-    engine = Engine(server_args=parse_server_args(engine_argv, plugin_set), plugin_set=plugin_set)
+    plugins = load_plugins()
+    settings = dict(model=None, server_args=parse_server_args(engine_argv, plugins), plugin_set=plugins)
+    return steps.with_engine(settings, lambda engine: offline_row(engine, warmup, work, probe_len, ns))
 
-    def params(w: Workload) -> list[SamplingParams]:
-        return [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in w.output_lens]
 
+def offline_row(engine, warmup: Workload, work: Workload, probe_len: int, ns: argparse.Namespace) -> dict:
+    """The warm-up, then every request of `work` at once (timed), then the prefill probe."""
     if len(warmup):
-        engine.generate(input_ids=warmup.prompts, sampling_params=params(warmup))
-    elapsed, outs, _ = timed_run(engine, work.prompts, params(work))
+        engine.generate(input_ids=warmup.prompts, sampling_params=[steps.greedy(n) for n in warmup.output_lens])
+    elapsed, outs, _ = timed_run(engine, work.prompts, [steps.greedy(n) for n in work.output_lens])
     num_out = sum(len(o.token_ids) for o in outs)
-    row = {"requests": len(outs), "seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed,
-           "backends": engine.backends, "outputs": [o.token_ids for o in outs],
-           "prefill_probe": prefill_probe(engine, probe_len, ns)}
-    engine.shutdown()
-    return row
+    return {"requests": len(outs), "seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed,
+            "backends": engine.backends, "outputs": [o.token_ids for o in outs],
+            "prefill_probe": prefill_probe(engine, probe_len, ns)}
 
 
 def prefill_probe(engine, probe_len: int, ns: argparse.Namespace) -> dict:
-    """Median time to first token of one request of `probe_len` tokens, over distinct prompts."""
-    from bench.prefill import ttft_ms
+    """Median time to first token of one request of `probe_len` tokens (bench/prefill.py's, over --probes prompts)."""
+    from bench.prefill import engine_prefill_ms
 
-    vocab = int(engine.runner.hf_config.vocab_size)
-    times = [ttft_ms(engine, [p]) for p in prompts([probe_len] * max(ns.probes, 1), vocab, seed=ns.seed + 3000)]
-    return {"input_len": probe_len, "probes": len(times), "median_ms": statistics.median(times)}
+    probes = max(ns.probes, 1)
+    return {"input_len": probe_len, "probes": probes, "median_ms": engine_prefill_ms(engine, 1, probe_len, probes)}
 
 
 def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace) -> dict:
@@ -204,36 +194,31 @@ def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace)
     if offline is None:
         return out
     if "inf" in rows:
-        ratio = rows["inf"]["output_tok_s"] / offline["output_tok_s"]
+        ratio, target = rows["inf"]["output_tok_s"] / offline["output_tok_s"], TARGETS["saturation"]
         same = sum(a == b for a, b in zip(rows["inf"]["outputs"], offline["outputs"]))
         out["saturation"] = {"http_tok_s": rows["inf"]["output_tok_s"], "offline_tok_s": offline["output_tok_s"],
-                             "ratio": ratio, "target": TARGETS["saturation"], "met": ratio >= TARGETS["saturation"],
-                             "greedy_equal": same, "requests": len(offline["outputs"])}
-    low = rate_name(min(ns.rates))
-    ttft = rows[low]["ttft_ms"]["p50"]
-    if ttft is not None:
-        budget = offline["prefill_probe"]["median_ms"] + TARGETS["ttft_allowance_ms"]
-        out["low_rate_ttft"] = {"rate": low, "ttft_p50_ms": ttft, "prefill_ms": offline["prefill_probe"]["median_ms"],
-                                "budget_ms": budget, "ratio": ttft / budget, "target": TARGETS["low_rate_ttft"],
-                                "met": ttft / budget <= TARGETS["low_rate_ttft"]}
+                             "ratio": ratio, "target": target, "met": ratio >= target, "greedy_equal": same,
+                             "requests": len(offline["outputs"])}
+    low, prefill, target = rate_name(min(ns.rates)), offline["prefill_probe"]["median_ms"], TARGETS["low_rate_ttft"]
+    if (ttft := rows[low]["ttft_ms"]["p50"]) is not None:
+        budget = prefill + TARGETS["ttft_allowance_ms"]
+        out["low_rate_ttft"] = {"rate": low, "ttft_p50_ms": ttft, "prefill_ms": prefill, "budget_ms": budget,
+                                "ratio": ttft / budget, "target": target, "met": ttft / budget <= target}
     return out
 
 
 def table(rows: dict[str, dict], offline: dict | None, targets: dict) -> str:
+    """The rates' table (and the offline Engine's throughput), then a line per target."""
     flat = [{"rate": name, "ok": f"{r['completed']}/{r['requests']}", "tok_s": r["output_tok_s"],
-             **{f"{k}_{q}": r[f"{k}_ms"][q] for k in ("ttft", "itl", "e2e") for q in ("p50", "p99")}} for name, r in rows.items()]
+             **{f"{k}_{q}": r[f"{k}_ms"][q] for k in LATENCIES for q in ("p50", "p99")}} for name, r in rows.items()]
     if offline:
         flat.append({"rate": "offline", "ok": f"{offline['requests']}/{offline['requests']}", "tok_s": offline["output_tok_s"]})
-    columns = [("rate", "rate", ""), ("ok", "ok", ""), ("tok/s", "tok_s", ".0f")] + [
-        (f"{k.upper()} {q} ms", f"{k}_{q}", ".1f") for k in ("ttft", "itl", "e2e") for q in ("p50", "p99")]
-    lines = [report.table(flat, columns)]
-    if "saturation" in targets:
-        s = targets["saturation"]
+    lines = [report.table(flat, COLUMNS)]
+    if s := targets.get("saturation"):
         lines.append(f"saturation: HTTP at inf {s['http_tok_s']:.0f} tok/s / offline {s['offline_tok_s']:.0f} tok/s "
                      f"= {s['ratio']:.2f} (target >= {s['target']}: {'met' if s['met'] else 'missed'}); "
                      f"greedy outputs equal {s['greedy_equal']}/{s['requests']}")
-    if "low_rate_ttft" in targets:
-        t = targets["low_rate_ttft"]
+    if t := targets.get("low_rate_ttft"):
         lines.append(f"TTFT at rate {t['rate']}: p50 {t['ttft_p50_ms']:.1f} ms / (prefill {t['prefill_ms']:.1f} ms + "
                      f"5 ms) = {t['ratio']:.2f} (target <= {t['target']}: {'met' if t['met'] else 'missed'})")
     return "\n".join(lines)
@@ -241,8 +226,7 @@ def table(rows: dict[str, dict], offline: dict | None, targets: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    missing = missing_dependencies()
-    if missing:
+    if missing := missing_dependencies():
         print(f"bench.serving: needs {', '.join(missing)} (the serve extra and httpx), not importable here; "
               "pip install 'backplane-llm[serve]' httpx, or carry a site archive that has them", file=sys.stderr)
         return 2

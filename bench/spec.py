@@ -134,32 +134,38 @@ def draft_graph_memory(engine: Engine) -> dict | None:
             "draft_shared_mb": shared.graph_memory_bytes / 2**20, "draft_alone_mb": alone.graph_memory_bytes / 2**20}
 
 
+def engine_settings(ns: argparse.Namespace, folder: Path, config) -> dict[str, dict]:
+    """Each run's Engine settings: plain, EAGLE drafting among the first --token-map ids (unless 0), EAGLE."""
+    dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
+    target, head = write_checkpoints(folder, ns.model, dtype, ns.device, ns.token_map)
+    plain = dict(COMMON, model=target, device=ns.device, dtype=str(dtype).removeprefix("torch."),
+                 attention_backend=ns.backend, context_length=min(4096, config.max_position_embeddings))
+    options = {"draft_model": head, "num_steps": STEPS, "topk": 1}
+    eagle = dict(plain, speculative_algorithm="eagle", speculative_num_draft_tokens=NUM_DRAFT, plugin_options={"eagle": options})
+    torch.save(torch.arange(ns.token_map), folder / "token_map.pt")
+    mapped = dict(eagle, plugin_options={"eagle": dict(options, token_map=str(folder / "token_map.pt"))})
+    return {"plain": plain, **({f"eagle, token map {ns.token_map}": mapped} if ns.token_map else {}), "eagle": eagle}
+
+
+def eagle_figures(ns: argparse.Namespace, engine: Engine, prompt: list[int], vocab: int) -> dict:
+    """The EAGLE engine's tokens/s at batch 1, its verify against decode forwards and its draft graphs' memory."""
+    return {"batch1": {"run": "eagle", **tokens_per_s(engine, prompt, ns.new_tokens)},
+            "verify_vs_decode": verify_vs_decode(engine, ns.verify_batch_sizes, vocab),
+            "draft_graph_memory": draft_graph_memory(engine) if ns.device == "cuda" else None}
+
+
 def measure(ns: argparse.Namespace, folder: Path) -> dict:
     """Plain, EAGLE with a token map, then EAGLE (kept for the forward timings and the graph pool)."""
     from backplane.models.presets import get_preset
 
-    config, dtype = get_preset(ns.model), torch.bfloat16 if ns.device == "cuda" else torch.float32
-    target, head = write_checkpoints(folder, ns.model, dtype, ns.device, ns.token_map)
-    common = dict(COMMON, device=ns.device, dtype=str(dtype).removeprefix("torch."), attention_backend=ns.backend,
-                  context_length=min(4096, config.max_position_embeddings))
-    options = {"draft_model": head, "num_steps": STEPS, "topk": 1}
-    eagle = dict(common, speculative_algorithm="eagle", speculative_num_draft_tokens=NUM_DRAFT,
-                 plugin_options={"eagle": options})
-    torch.save(torch.arange(ns.token_map), folder / "token_map.pt")
-    mapped = dict(eagle, plugin_options={"eagle": dict(options, token_map=str(folder / "token_map.pt"))})
-    runs = {"plain": common, f"eagle, token map {ns.token_map}": mapped}
-    vocab = min(1000, config.vocab_size)
+    config = get_preset(ns.model)
+    runs, vocab = engine_settings(ns, folder, config), min(1000, config.vocab_size)
     prompt = torch.randint(3, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    batch1 = []
-    for name, settings in list(runs.items())[: 2 if ns.token_map else 1]:
-        with steps.built(target, **settings) as engine:
-            batch1.append({"run": name, **tokens_per_s(engine, prompt, ns.new_tokens)})
-    with steps.built(target, **eagle) as engine:
-        batch1.append({"run": "eagle", **tokens_per_s(engine, prompt, ns.new_tokens)})
-        for row in batch1:
-            row["speedup"] = row["tok_s"] / batch1[0]["tok_s"]
-        return {"batch1": batch1, "verify_vs_decode": verify_vs_decode(engine, ns.verify_batch_sizes, vocab),
-                "draft_graph_memory": draft_graph_memory(engine) if ns.device == "cuda" else None}
+    batch1 = [{"run": name, **steps.with_engine(settings, lambda e: tokens_per_s(e, prompt, ns.new_tokens))}
+              for name, settings in runs.items() if name != "eagle"]
+    eagle = steps.with_engine(runs["eagle"], lambda e: eagle_figures(ns, e, prompt, vocab))
+    batch1.append(eagle.pop("batch1"))
+    return {"batch1": [row | {"speedup": row["tok_s"] / batch1[0]["tok_s"]} for row in batch1], **eagle}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,38 +1,42 @@
-"""What one decode step of an Engine costs, measured from the outside: the whole `generate` loop per
-step, the captured decode graph's replay alone, and a profiler's split of a step into device kernels
-and the device's idle gaps. (`backplane bench` times a one-batch step eager and through graphs.)"""
+"""Engines as the benchmarks build, time and release them, and what one decode step costs measured
+from the outside: the whole `generate` loop per step, the captured decode graph's replay alone, and a
+profiler's split of a step into device kernels and the device's idle gaps. (`backplane bench` times a
+one-batch step eager and through graphs.)"""
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from typing import Callable, Iterator
+from typing import Callable, TypeVar
 
 import torch
 
 from backplane import Engine, SamplingParams
+from bench import workload
 from bench.timing import device_gaps, device_kernels, events_ms, profiled, timed
 
+T = TypeVar("T")
 
-@contextlib.contextmanager
-def built(model: str, **settings) -> Iterator[Engine]:
-    """Engine(model, **settings), shut down on leaving (an error included) and its memory given back,
-    so that the next engine or the peer finds the device empty."""
-    engine = Engine(model, **settings)
+
+def with_engines(settings: dict[str, dict], fn: Callable[[dict[str, Engine]], T]) -> T:
+    """fn({name: Engine(**settings[name])}), the engines built side by side ("model" among the settings);
+    then, an error included, every engine shut down and its memory given back, so that the next engine
+    or the peer finds the device empty. fn's return value must not hold an engine."""
+    engines: dict[str, Engine] = {}
     try:
-        yield engine
+        for name, kwargs in settings.items():
+            engines[name] = Engine(**kwargs)
+        return fn(engines)
     finally:
-        engine.shutdown()
-        del engine
+        while engines:  # NOTE: popped, no name left bound: fn has returned, so the collection frees them
+            engines.popitem()[1].shutdown()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def prompts_for(engine: Engine, bs: int, context: int) -> list[list[int]]:
-    """bs deterministic prompts of `context` ids, inside every preset's vocabulary (ids 3..)."""
-    span = min(1000, int(engine.runner.hf_config.vocab_size) - 3)
-    return [[(7 * r + i) % span + 3 for i in range(context)] for r in range(bs)]
+def with_engine(settings: dict, fn: Callable[[Engine], T]) -> T:
+    """with_engines for one engine: fn(Engine(**settings))."""
+    return with_engines({"engine": settings}, lambda engines: fn(engines["engine"]))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -68,7 +72,7 @@ def interleaved(engines: dict, batch_sizes: list[int], rounds: int, step: Callab
 def engine_step_ms(engine: Engine, bs: int, context: int, steps: int, lora=None) -> float:
     """ms per decode step of the whole Engine.generate loop at batch `bs`: the difference of two runs
     of 4 and 4 + steps tokens, so the prefill (a prefix-cache hit in both) cancels."""
-    prompts = prompts_for(engine, bs, context)
+    prompts = workload.prompts([context] * bs, int(engine.runner.hf_config.vocab_size))
     _generate(engine, prompts, 4, lora)  # warm-up
     short, long = _generate(engine, prompts, 4, lora), _generate(engine, prompts, 4 + steps, lora)
     return (long - short) * 1e3 / steps
@@ -100,7 +104,7 @@ def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=No
     """Where one decode step goes (torch.profiler over a generate of 1 + steps tokens less one of 1
     token, per step): wall ms, device kernel ms, the rest (host work the device waits for, launch
     gaps), launches, the top kernels and the top idle gaps by the operations around them."""
-    prompts = prompts_for(engine, bs, context)
+    prompts = workload.prompts([context] * bs, int(engine.runner.hf_config.vocab_size))
     _generate(engine, prompts, 1 + steps, lora)  # warm-up
     runs = []
     for n in (1, 1 + steps):

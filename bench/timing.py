@@ -51,11 +51,9 @@ def events_ms(fn: Callable[[], object], reps: int = 50, warmup: int = 5) -> floa
     return start.elapsed_time(end) / reps
 
 
-def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int = 50, cold: bool = False) -> float:
-    """Median microseconds of one fn() call on the device. warm: replays of a graph of reps_in_graph
-    calls (launch gaps inside the graph count, operands stay in L2); cold: time_cold(fn)."""
-    if cold:
-        return time_cold(fn, reps_in_graph * 3)[0]
+def time_graph(fn: Callable[[], object], reps_in_graph: int = 20, replays: int = 50) -> float:
+    """Median microseconds of one fn() call on the device: replays of a graph of reps_in_graph calls
+    (launch gaps inside the graph count, operands stay in L2)."""
     replay, _ = captured(fn, reps_in_graph)
     return statistics.median(events_ms(replay, reps=1, warmup=0) * 1e3 / reps_in_graph for _ in range(replays))
 
@@ -98,16 +96,18 @@ def captured(fn: Callable[[], object], reps: int = 1) -> tuple[Callable[[], obje
 
 
 def time_us(fn: Callable[[], object], device: torch.device, cold: bool = False) -> float:
-    """Microseconds of one fn(): time_graph on CUDA; elsewhere one host-timed call after a warm-up
-    (CPU smoke runs exercise the code path only)."""
+    """Microseconds of one fn(): on CUDA time_cold (cold) or time_graph; elsewhere one host-timed call
+    after a warm-up (CPU smoke runs exercise the code path only)."""
     if device.type == "cuda":
-        return time_graph(fn, cold=cold)
+        return time_cold(fn, 60)[0] if cold else time_graph(fn)
     fn()
     return timed(fn, device)[0] * 1e6
 
 
-def copy_bandwidth_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
-    """Measured device-to-device copy bandwidth in TB/s (bytes read + written); the H200's figure off CUDA."""
+@functools.cache
+def copy_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """The device-to-device copy bandwidth in TB/s (bytes read + written), measured once per process:
+    the floors' memory speed. Off CUDA, the H200's figure."""
     if torch.device(device).type != "cuda":
         return H200_COPY_TB_S
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -116,12 +116,6 @@ def copy_bandwidth_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms / 1e3) / 1e12
-
-
-@functools.cache
-def peak_bytes_per_s(device: str | None = None) -> float:
-    """The floors' memory speed in bytes/s: the card's copy bandwidth, measured once per process."""
-    return copy_bandwidth_tb_s(device or ("cuda" if torch.cuda.is_available() else "cpu")) * 1e12
 
 
 def profiled(fn: Callable[[], object], device: torch.device | str) -> tuple[object, object]:
