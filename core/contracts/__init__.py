@@ -15,16 +15,17 @@ checks it), so every package above (layers, models, executor, engine, plugins) m
 
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
 from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
+from backplane.contracts.forward_context import ForwardContext, ForwardSlot, NestedForwardError
 from backplane.contracts.graph import GraphKey, GraphParticipant, ModeLimit
 from backplane.contracts.lora import LoraBackend, LoraBackendContext, host_offsets
-from backplane.contracts.lora_batch import LoraBatchInfo
+from backplane.contracts.lora_batch import LoraBatchInfo, LoraSegments
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.contracts.model import ModelOutput
 from backplane.contracts.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
 
 __all__ = [
     "AttentionBackend", "AttentionBackendContext", "AttentionLayerInfo", "ForwardBatch", "ForwardMode",
-    "ForwardRouter", "GraphContributor", "GraphKey", "GraphParticipant", "HostBatch", "LoraBackend",
-    "LoraBackendContext", "LoraBatchInfo", "ModeLimit", "ModelOutput", "ReqToTokenPool", "RunningRequests",
+    "ForwardContext", "ForwardRouter", "ForwardSlot", "GraphContributor", "GraphKey", "GraphParticipant", "HostBatch", "LoraBackend",
+    "LoraBackendContext", "LoraBatchInfo", "LoraSegments", "ModeLimit", "ModelOutput", "NestedForwardError", "ReqToTokenPool", "RunningRequests",
     "SchedulerParticipant", "TokenToKVPool", "host_offsets",
 ]

@@ -21,6 +21,7 @@ from typing import Any
 # NOTE: docs/plugins.md ("Packaging") lists these; tests/plugin/test_plugin_docs.py keeps the two equal.
 PUBLIC_MODULES = (
     "backplane",
+    "backplane.contracts",
     "backplane.attention",
     "backplane.lora",
     "backplane.ops",

@@ -22,7 +22,7 @@ from backplane.lora.manager import LoraManager
 from backplane.contracts.model import ModelOutput
 from backplane.plugin.manager import load_plugins
 from backplane.settings import build_server_args
-from backplane.speculative import TargetRunner
+from backplane.speculative import TargetRunner, TargetView
 
 
 class NoGraph:
@@ -154,7 +154,7 @@ def test_the_engine_wires_the_scheduler_and_the_runner_without_a_router():
     engine = Engine("tiny-llama", device="cpu", max_total_tokens=256)
     assert isinstance(engine.scheduler, RunningRequests)
     assert engine.runner.router is None and engine.runner.contributors == []  # no LoRA, one rank
-    assert isinstance(engine.runner, TargetRunner)  # what a spec algorithm may read is all there
+    assert isinstance(TargetView(engine.runner), TargetRunner)  # what a spec algorithm may read is all there
     assert not isinstance(engine.scheduler, TargetRunner)
 
 
