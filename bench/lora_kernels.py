@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -44,9 +45,7 @@ class Group:
     """One projection group's stacked weights (every slot at `rank`, slot 0 empty), input and output."""
 
     def __init__(self, k: int, widths: list[int], tokens: int, num_slots: int, rank: int, device, dtype):
-        self.offsets = [0]
-        for width in widths:
-            self.offsets.append(self.offsets[-1] + width)
+        self.offsets = [0, *itertools.accumulate(widths)]
         dt = dict(device=device, dtype=dtype)
         self.x = torch.randn(tokens, k, **dt)
         self.a = torch.randn(num_slots, len(widths) * rank, k, **dt) / k**0.5
@@ -66,6 +65,9 @@ class Group:
         """The folded path: the GEMM over [W; A], then the backend's expand into a fresh output."""
         y = torch.nn.functional.linear(self.x, self.w_ext)
         return backend.expand_folded(y, self.offsets[-1], self.b, self.offsets, torch.empty_like(self.out))
+
+    def widths(self) -> list[int]:
+        return [hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])]
 
     def bytes_per_adapter(self) -> int:
         return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
@@ -159,36 +161,38 @@ def tune_fused(model: str, ranks: list[int], token_counts: list[int], num_adapte
     JSON), the automatic setting's time beside each entry."""
     import triton
 
-    from backplane.plugins.lora_triton.fused import MAX_GROUPS, MIN_SPLIT_K, FusedConfig, tile_sizes
+    from backplane.plugins.lora_triton.fused import FusedConfig, tile_sizes
 
     entries = []
-    for rank in ranks:
-        for tokens in token_counts:
-            info, ctx, groups, _ = _setup(model, rank, tokens, num_adapters, device)
-            auto = _backend(ctx, info, fused_config=FusedConfig(), use_table=False)
-            for name, group in groups.items():
-                k, widths = group.x.shape[1], [hi - lo for lo, hi in zip(group.offsets, group.offsets[1:])]
-                want, best = _reference(group, ctx, info), None
-                for split_k in splits:
-                    if split_k > 1 and k // split_k < MIN_SPLIT_K:
-                        continue
-                    for span in spans:
-                        if split_k > 1 and split_k * sum(triton.cdiv(w, span) for w in widths) > MAX_GROUPS:
-                            continue
-                        for num_warps in warps:
-                            config = FusedConfig(span=span, split_k=split_k, num_warps=num_warps)
-                            backend = _backend(ctx, info, fused_config=config)
-                            _check_against(group, backend, want)
-                            us = time_us(lambda g=group, b=backend: g.lora(b), device, cold=True)
-                            best = (us, config) if best is None or us < best[0] else best
-                auto_us = time_us(lambda g=group, b=auto: g.lora(b), device, cold=True)
-                (us, config), (block_t, block_r) = best, tile_sizes(tokens, rank)
-                entries.append({"group": name, "tokens": tokens, "rank": rank, "k": k, "widths": widths,
-                                "block_r": block_r, "block_t": block_t, "span": config.span, "split_k": config.split_k,
-                                "num_warps": config.num_warps, "us": us, "automatic_us": auto_us})
+    for rank, tokens in itertools.product(ranks, token_counts):
+        info, ctx, groups, _ = _setup(model, rank, tokens, num_adapters, device)
+        auto = _backend(ctx, info, fused_config=FusedConfig(), use_table=False)
+        for name, group in groups.items():
+            k, widths, want, timed = group.x.shape[1], group.widths(), _reference(group, ctx, info), []
+            for config in _fused_configs(k, widths, spans, splits, warps):
+                backend = _backend(ctx, info, fused_config=config)
+                _check_against(group, backend, want)
+                timed.append((time_us(lambda g=group, b=backend: g.lora(b), device, cold=True), config))
+            (us, config), (block_t, block_r) = min(timed, key=lambda t: t[0]), tile_sizes(tokens, rank)
+            entries.append({"group": name, "tokens": tokens, "rank": rank, "k": k, "widths": widths,
+                            "block_r": block_r, "block_t": block_t, "span": config.span, "split_k": config.split_k,
+                            "num_warps": config.num_warps, "us": us,
+                            "automatic_us": time_us(lambda g=group, b=auto: g.lora(b), device, cold=True)})
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "triton": triton.__version__,
             "dtype": str(groups["qkv"].x.dtype).removeprefix("torch."), "model": model, "adapters": num_adapters,
             "entries": _one_per_bucket(entries)}
+
+
+def _fused_configs(k: int, widths: list[int], spans, splits, warps):
+    """Every FusedConfig the fused kernel's buffers allow for a group of K `k` and these slice widths."""
+    import triton
+
+    from backplane.plugins.lora_triton.fused import MAX_GROUPS, MIN_SPLIT_K, FusedConfig
+
+    for split_k, span, num_warps in itertools.product(splits, spans, warps):
+        tiles = split_k * sum(triton.cdiv(w, span) for w in widths)
+        if split_k == 1 or (k // split_k >= MIN_SPLIT_K and tiles <= MAX_GROUPS):
+            yield FusedConfig(span=span, split_k=split_k, num_warps=num_warps)
 
 
 def _one_per_bucket(entries: list[dict]) -> list[dict]:

@@ -1,21 +1,15 @@
-"""HTTP serving: `backplane serve` under Poisson arrivals at several request rates, against the
-offline Engine on the same requests.
+"""HTTP serving: `backplane serve` (its engine in a process of its own) under Poisson arrivals at several
+request rates, against the offline Engine on the same requests. Everything after `--` is engine flags for
+both (BACKPLANE_ENGINE_IN_THREAD=1 measures --engine-in-thread).
 
     python -m bench.serving --model llama-3.2-1b -- --attention-backend triton
-    python -m bench.serving --model tiny-llama --device cpu --num-prompts 6 --request-rates 4,inf \
-        --max-input-len 32 --max-output-len 8 -- --attention-backend torch_native   # a smoke run on CPU
 
-Everything after `--` is engine flags, for both `backplane serve` and the offline Engine (the
-server runs its engine in a process of its own; BACKPLANE_ENGINE_IN_THREAD=1 measures --engine-in-thread).
-
-Workload: --num-prompts sharegpt-like requests (bench/workload.py, clamped to --max-input-len /
---max-output-len), random token ids, greedy, ignore_eos. A finite rate sends the first
-min(--num-prompts, rate x --max-duration) requests (at least 8) at Poisson times, `inf` all at once;
-each is one streamed completion (bench/serving_client.py defines TTFT, ITL and E2E, reported at p50
-and p99 with output tokens/s). Then the offline Engine runs the `inf` requests at once, and a prefill
-probe times one request of the lowest rate's median input length with one output token.
-Targets (issue 21, llama-3.2-1b): HTTP tok/s at `inf` >= 0.9 x offline; the lowest rate's TTFT p50
-<= 1.5 x (prefill probe + 5 ms).
+Requests: sharegpt-like lengths clamped to --max-input-len / --max-output-len, random token ids, greedy,
+ignore_eos, each one streamed completion (bench/serving_client.py: TTFT, ITL and E2E at p50 and p99). A
+finite rate sends min(--num-prompts, rate x --max-duration) of them (at least 8) at Poisson times, `inf`
+all at once; then the offline Engine runs the `inf` ones at once, and a prefill probe times one request
+of the lowest rate's median input length. Targets (llama-3.2-1b): HTTP tok/s at `inf` >= 0.9 x offline;
+the lowest rate's TTFT p50 <= 1.5 x (prefill probe + 5 ms).
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from pathlib import Path
 
 from bench import report, steps
 from bench.e2e import timed_run
-from bench.serving_client import Workload, line_of, make_workload, rate_name, run_rate, summarize
+from bench.serving_client import Workload, make_workload, rate_name, run_rate, summarize
 
 CLIENT_DEPENDENCIES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 MIN_REQUESTS_PER_RATE = 8
@@ -78,9 +72,9 @@ def vocab_size(model: str) -> int:
 
 
 def requests_at(rate: float, ns: argparse.Namespace) -> int:
-    if math.isinf(rate):
-        return ns.num_prompts
-    return min(ns.num_prompts, max(MIN_REQUESTS_PER_RATE, math.ceil(rate * ns.max_duration)))
+    """All --num-prompts at inf; else rate x --max-duration, at least MIN_REQUESTS_PER_RATE."""
+    count = math.inf if math.isinf(rate) else max(MIN_REQUESTS_PER_RATE, math.ceil(rate * ns.max_duration))
+    return min(ns.num_prompts, count)
 
 
 class ServerProcess:
@@ -117,8 +111,7 @@ class ServerProcess:
 
     def stop(self) -> int:
         """SIGTERM (drains, exits 0), then wait; kill after 60 s. The exit code."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        self.proc.terminate()  # nothing when it has exited
         try:
             code = self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -154,38 +147,30 @@ async def run_http(url: str, warmup: Workload, per_rate: dict[str, Workload], ns
         for i, rate in enumerate(ns.rates):
             name = rate_name(rate)
             rows[name] = summarize(await run_rate(client, url, per_rate[name], rate, ns.seed + 10 + i), rate)
-            print(f"rate {name}: {line_of(rows[name])}", flush=True)
+            print(report.table([flat(name, rows[name])], COLUMNS), flush=True)
         return rows
 
 
 def run_offline(engine_argv: list[str], warmup: Workload, work: Workload, probe_len: int,
                 ns: argparse.Namespace) -> dict:
-    """Every request at once through Engine.generate, then the prefill probe, on one engine."""
+    """On one engine: the warm-up, every request of `work` at once through Engine.generate, then the
+    prefill probe (bench/prefill.py's time to first token of one request of `probe_len` tokens)."""
     from backplane.cli import parse_server_args
     from backplane.plugin.manager import load_plugins
-
-    plugins = load_plugins()
-    settings = dict(model=None, server_args=parse_server_args(engine_argv, plugins), plugin_set=plugins)
-    return steps.with_engine(settings, lambda engine: offline_row(engine, warmup, work, probe_len, ns))
-
-
-def offline_row(engine, warmup: Workload, work: Workload, probe_len: int, ns: argparse.Namespace) -> dict:
-    """The warm-up, then every request of `work` at once (timed), then the prefill probe."""
-    if len(warmup):
-        engine.generate(input_ids=warmup.prompts, sampling_params=[steps.greedy(n) for n in warmup.output_lens])
-    elapsed, outs, _ = timed_run(engine, work.prompts, [steps.greedy(n) for n in work.output_lens])
-    num_out = sum(len(o.token_ids) for o in outs)
-    return {"requests": len(outs), "seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed,
-            "backends": engine.backends, "outputs": [o.token_ids for o in outs],
-            "prefill_probe": prefill_probe(engine, probe_len, ns)}
-
-
-def prefill_probe(engine, probe_len: int, ns: argparse.Namespace) -> dict:
-    """Median time to first token of one request of `probe_len` tokens (bench/prefill.py's, over --probes prompts)."""
     from bench.prefill import engine_prefill_ms
 
-    probes = max(ns.probes, 1)
-    return {"input_len": probe_len, "probes": probes, "median_ms": engine_prefill_ms(engine, 1, probe_len, probes)}
+    def measure(engine) -> dict:
+        if len(warmup):
+            engine.generate(input_ids=warmup.prompts, sampling_params=[steps.greedy(n) for n in warmup.output_lens])
+        elapsed, outs, _ = timed_run(engine, work.prompts, [steps.greedy(n) for n in work.output_lens])
+        num_out, probes = sum(len(o.token_ids) for o in outs), max(ns.probes, 1)
+        probe = {"input_len": probe_len, "probes": probes, "median_ms": engine_prefill_ms(engine, 1, probe_len, probes)}
+        return {"requests": len(outs), "seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed,
+                "backends": engine.backends, "outputs": [o.token_ids for o in outs], "prefill_probe": probe}
+
+    plugins = load_plugins()
+    return steps.with_engine(dict(model=None, server_args=parse_server_args(engine_argv, plugins), plugin_set=plugins),
+                             measure)
 
 
 def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace) -> dict:
@@ -207,13 +192,17 @@ def compare(rows: dict[str, dict], offline: dict | None, ns: argparse.Namespace)
     return out
 
 
+def flat(name: str, row: dict) -> dict:
+    """A row of the printed table: one rate's summary (or the offline Engine's, without latencies)."""
+    completed = row.get("completed", row["requests"])
+    return {"rate": name, "ok": f"{completed}/{row['requests']}", "tok_s": row["output_tok_s"],
+            **{f"{k}_{q}": row.get(f"{k}_ms", {}).get(q) for k in LATENCIES for q in ("p50", "p99")}}
+
+
 def table(rows: dict[str, dict], offline: dict | None, targets: dict) -> str:
     """The rates' table (and the offline Engine's throughput), then a line per target."""
-    flat = [{"rate": name, "ok": f"{r['completed']}/{r['requests']}", "tok_s": r["output_tok_s"],
-             **{f"{k}_{q}": r[f"{k}_ms"][q] for k in LATENCIES for q in ("p50", "p99")}} for name, r in rows.items()]
-    if offline:
-        flat.append({"rate": "offline", "ok": f"{offline['requests']}/{offline['requests']}", "tok_s": offline["output_tok_s"]})
-    lines = [report.table(flat, COLUMNS)]
+    lines = [report.table([flat(name, r) for name, r in rows.items()] + ([flat("offline", offline)] if offline else []),
+                          COLUMNS)]
     if s := targets.get("saturation"):
         lines.append(f"saturation: HTTP at inf {s['http_tok_s']:.0f} tok/s / offline {s['offline_tok_s']:.0f} tok/s "
                      f"= {s['ratio']:.2f} (target >= {s['target']}: {'met' if s['met'] else 'missed'}); "

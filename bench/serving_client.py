@@ -10,6 +10,7 @@ later token events, a gap of an event with k tokens counted as k gaps of gap / k
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -45,11 +46,7 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
+    return list(itertools.accumulate((rng.expovariate(rate) for _ in range(n)), initial=0.0))[:n]
 
 
 @dataclass
@@ -131,10 +128,8 @@ def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between the closest ranks (numpy's default); None for no values."""
     if not values:
         return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
+    xs, pos = sorted(values), (len(values) - 1) * q / 100
+    lo, hi = math.floor(pos), min(math.floor(pos) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
@@ -163,11 +158,3 @@ def summarize(results: list[RequestResult], rate: float) -> dict:
         "tpot_ms": ms(tpot), "median_input_len": statistics.median(r.input_len for r in results),
         "outputs": [r.token_ids for r in results],
     }
-
-
-def line_of(row: dict) -> str:
-    f = lambda d: "-" if d["p50"] is None else f"{d['p50']:.1f}/{d['p99']:.1f}"  # noqa: E731
-    return (f"{row['completed']}/{row['requests']} ok, {row['output_tok_s']:.0f} tok/s, TTFT {f(row['ttft_ms'])} ms, "
-            f"ITL {f(row['itl_ms'])} ms, E2E {f(row['e2e_ms'])} ms")
-
-
