@@ -9,9 +9,9 @@ none / ngram / eagle; CUDA graphs off / on; torch.compile off / on.
 - compile on: every pair of the other axes (`pairwise`), which keeps the whole matrix near six
   minutes (each compile cell compiles a fresh model per captured shape); with
   BACKPLANE_MATRIX_FULL=1, the full product (90 more cells, far slower).
-BACKPLANE_MATRIX_SHARD=i/n runs every n-th cell from the i-th (bench/gpu_suite.sh matrix runs
-shards in parallel), and BACKPLANE_MATRIX_OUT=path writes the summary (cells, refusals with their
-lines, mismatches, ties, times) as JSON.
+BACKPLANE_MATRIX_SHARD=i/n runs every n-th cell from the i-th (`python -m bench.run matrix` runs
+four shards side by side and merges their JSON into matrix.json), and BACKPLANE_MATRIX_OUT=path
+writes the summary (cells, refusals with their lines, mismatches, ties, times) as JSON.
 """
 
 from __future__ import annotations
