@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import dataclass
 
 import torch
 
@@ -30,22 +29,19 @@ COLUMNS = [("kind", "kind", ""), ("case", "case", ""), ("impl", "impl", ""), ("u
            ("max|d|", "max_abs_diff", ".4f"), ("note", "note", "")]
 
 
-@dataclass
 class Workload:
-    """Requests whose keys live in a shuffled pool; the last `new_len` tokens of each are new."""
+    """`batch` requests of `prefix_len` cached and `new_len` new tokens whose keys live in a shuffled
+    page-size-1 pool: k_buffer, v_buffer [num_slots + 1, KV_HEADS, head_dim] (slot 0 unused),
+    req_to_token [batch, seq_len] int32, q [batch * new_len, HEADS, head_dim]; random bf16, seeded."""
 
-    batch: int
-    prefix_len: int
-    new_len: int
-    head_dim: int
-    k_buffer: torch.Tensor  # [num_slots + 1, KV_HEADS, head_dim]
-    v_buffer: torch.Tensor
-    req_to_token: torch.Tensor  # [batch, seq_len] int32
-    q: torch.Tensor  # [batch * new_len, HEADS, head_dim]
-
-    @property
-    def seq_len(self) -> int:
-        return self.prefix_len + self.new_len
+    def __init__(self, batch: int, prefix_len: int, new_len: int, head_dim: int, seed: int = 0):
+        self.batch, self.prefix_len, self.new_len, self.head_dim = batch, prefix_len, new_len, head_dim
+        self.seq_len, total = prefix_len + new_len, batch * (prefix_len + new_len)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.req_to_token = (torch.randperm(total, generator=gen, device="cuda").int() + 1).view(batch, -1)
+        kv_shape, q_shape = (total + 1, KV_HEADS, head_dim), (batch * new_len, HEADS, head_dim)
+        self.k_buffer, self.v_buffer, self.q = (torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+                                                for shape in (kv_shape, kv_shape, q_shape))
 
     def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens' k/v as contiguous [batch * new_len, KV_HEADS, head_dim] tensors."""
@@ -57,18 +53,6 @@ class Workload:
 
     def causal_flops(self) -> float:
         return 4.0 * sum(self.prefix_len + i + 1 for i in range(self.new_len)) * self.batch * self.head_dim * HEADS
-
-
-def make_workload(batch: int, prefix_len: int, new_len: int, head_dim: int, seed: int = 0) -> Workload:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = batch * (prefix_len + new_len)
-
-    def rand(*shape):
-        return torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
-
-    slots = torch.randperm(total, generator=gen, device="cuda").int() + 1
-    return Workload(batch, prefix_len, new_len, head_dim, rand(total + 1, KV_HEADS, head_dim),
-                    rand(total + 1, KV_HEADS, head_dim), slots.view(batch, -1), rand(batch * new_len, HEADS, head_dim))
 
 
 def indptr(counts: list[int]) -> torch.Tensor:
@@ -154,7 +138,7 @@ def bench_case(fi, workspace, kind: str, batch: int, prefix: int, new: int, ns: 
     """One case: triton with its default launch settings, the sweep's best (--sweep), FlashInfer's."""
     from backplane.plugins.attention_triton.configs import choose_num_kv_splits, decode_config, extend_config
 
-    w, device = make_workload(batch, prefix, new, ns.head_dim), torch.device("cuda")
+    w, device = Workload(batch, prefix, new, ns.head_dim), torch.device("cuda")
     case = f"bs={batch} ctx={prefix + new}" if kind == "decode" else f"{batch}x({prefix}+{new})"
     splits = choose_num_kv_splits(batch, KV_HEADS, prefix + new, device, 64) if kind == "decode" else 0
     cfg = decode_config(ns.head_dim, device) if kind == "decode" else extend_config(ns.head_dim, DTYPE, device)

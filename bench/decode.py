@@ -3,13 +3,12 @@ Llama loop) at the same batch and context, in one process, per model, attention 
 
 Engine: the whole Engine.generate loop per step, and the captured decode graph's replay alone. The
 variants (VARIANTS) are engines of the same settings but one, built side by side and measured in
-interleaved rounds, so host noise hits them alike; their graph capture time and memory are kept.
-Floor: the weights' bytes at the card's measured copy
-bandwidth. --profile BS splits a step of the first variant (and the peer's kernels) at those batch sizes.
+interleaved rounds, so host noise hits them alike; their graph capture time and memory are kept. Floor:
+the weights' bytes at the card's copy bandwidth. --profile BS splits a step of the first variant (and
+the peer's kernels) at those batch sizes.
 
     python -m bench.decode --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer
     python -m bench.decode --variants overlap compiled --rounds 2      # torch.compile against plain graphs
-    python -m bench.decode --models tiny-llama --backends torch_native --batch-sizes 1 2 --device cpu --no-compile
 """
 
 from __future__ import annotations

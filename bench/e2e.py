@@ -11,7 +11,6 @@ prefill does its matmul FLOPs at the bf16 matmul peak; all requests in one batch
 
     python -m bench.e2e --model llama-3.2-1b --backends triton flashinfer --repeats 3
     python -m bench.e2e --workloads shared-prefix distinct --cache on off           # the radix cache's gain
-    python -m bench.e2e --model tiny-llama --device cpu --backends torch_native --requests 8 --fixed-shape 32 8
 """
 
 from __future__ import annotations

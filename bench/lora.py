@@ -11,8 +11,6 @@ unless --overlap. Beside each ratio, its read floor: the base weights plus the A
 uses (the folded GEMM reads every slot's A), over the base weights. The kernels alone: bench/lora_kernels.py.
 
     python -m bench.lora --model llama-3.2-1b --ranks 16 64
-    python -m bench.lora --model tiny-llama --device cpu --lora-backend torch_native --paths fused --batch-sizes 1 3 \\
-        --ranks 8 --adapters 2 --steps 2 --input-len 16
 """
 
 from __future__ import annotations

@@ -33,19 +33,11 @@ COLUMNS = [("T", "tokens", "d"), ("rank", "rank", "d"), ("fused", "fused_us", ".
            ("folded", "folded_cold_us", ".2f"), ("folded/floor", "folded_vs_floor", ".1f"), ("verdict", "verdict", "")]
 
 
-def group_shapes(model: str) -> dict[str, tuple[int, list[int]]]:
-    """name -> (K, output widths of the slices) of the four projection groups of a preset."""
-    from backplane.models.presets import get_preset
-
-    shapes = projection_shapes(get_preset(model))
-    return {group: (shapes[names[0]][0], [shapes[n][1] for n in names]) for group, names in GROUPS.items()}
-
-
 class Group:
     """One projection group's stacked weights (every slot at `rank`, slot 0 empty), input and output."""
 
     def __init__(self, k: int, widths: list[int], tokens: int, num_slots: int, rank: int, device, dtype):
-        self.offsets = [0, *itertools.accumulate(widths)]
+        self.widths, self.offsets = widths, [0, *itertools.accumulate(widths)]
         dt = dict(device=device, dtype=dtype)
         self.x = torch.randn(tokens, k, **dt)
         self.a = torch.randn(num_slots, len(widths) * rank, k, **dt) / k**0.5
@@ -66,9 +58,6 @@ class Group:
         y = torch.nn.functional.linear(self.x, self.w_ext)
         return backend.expand_folded(y, self.offsets[-1], self.b, self.offsets, torch.empty_like(self.out))
 
-    def widths(self) -> list[int]:
-        return [hi - lo for lo, hi in zip(self.offsets, self.offsets[1:])]
-
     def bytes_per_adapter(self) -> int:
         return (self.a[0].numel() + self.b[0].numel()) * self.a.element_size()
 
@@ -76,6 +65,7 @@ class Group:
 def _setup(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device):
     """(batch info, backend context, groups, distinct adapters) of a decode batch: token i on adapter i mod N."""
     from backplane.lora import LoraBackendContext, LoraBatchInfo
+    from backplane.models.presets import get_preset
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     slots = [1 + i % num_adapters for i in range(tokens)]
@@ -83,8 +73,9 @@ def _setup(model: str, rank: int, tokens: int, num_adapters: int, device: torch.
                                        [0.0] + [2.0] * num_adapters, device)
     ctx = LoraBackendContext(device=device, dtype=dtype, max_loras_per_batch=num_adapters, max_lora_rank=rank,
                              max_bs=tokens, max_num_tokens=max(tokens, 256))
-    groups = {name: Group(k, widths, tokens, num_adapters + 1, rank, device, dtype)
-              for name, (k, widths) in group_shapes(model).items()}
+    shapes = projection_shapes(get_preset(model))  # (K, output widths of the slices) of each group
+    groups = {name: Group(shapes[p[0]][0], [shapes[q][1] for q in p], tokens, num_adapters + 1, rank, device, dtype)
+              for name, p in GROUPS.items()}
     return info, ctx, groups, len(set(slots))
 
 
@@ -120,12 +111,6 @@ def _check_against(group: Group, backend, reference: tuple[torch.Tensor, torch.T
     torch.testing.assert_close(group.lora(backend).float(), want, atol=5e-2, rtol=2e-2)
 
 
-def _check_folded(group: Group, backend, ctx, info) -> None:
-    """The folded path's output against the base GEMM plus torch_native's LoRA (bf16 tolerance)."""
-    want = _native(ctx, info).apply_lora(group.x, group.a, group.b, group.offsets, group.base().clone()).float()
-    torch.testing.assert_close(group.folded(backend).float(), want, atol=5e-2, rtol=2e-2)
-
-
 def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device: torch.device,
                   configs: str | None = None) -> dict:
     """One layer's LoRA at `tokens` decode tokens, per group and in total, in µs."""
@@ -135,7 +120,8 @@ def kernel_report(model: str, rank: int, tokens: int, num_adapters: int, device:
     per_group = {}
     for name, g in groups.items():
         _check_against(g, fused, _reference(g, ctx, info))
-        _check_folded(g, fused, ctx, info)
+        want = _native(ctx, info).apply_lora(g.x, g.a, g.b, g.offsets, g.base().clone()).float()  # base GEMM + LoRA
+        torch.testing.assert_close(g.folded(fused).float(), want, atol=5e-2, rtol=2e-2)
         base_cold = time_us(g.base, device, cold=True)
         per_group[name] = {
             "fused_us": time_us(lambda g=g: g.lora(fused), device),
@@ -168,7 +154,7 @@ def tune_fused(model: str, ranks: list[int], token_counts: list[int], num_adapte
         info, ctx, groups, _ = _setup(model, rank, tokens, num_adapters, device)
         auto = _backend(ctx, info, fused_config=FusedConfig(), use_table=False)
         for name, group in groups.items():
-            k, widths, want, timed = group.x.shape[1], group.widths(), _reference(group, ctx, info), []
+            k, widths, want, timed = group.x.shape[1], group.widths, _reference(group, ctx, info), []
             for config in _fused_configs(k, widths, spans, splits, warps):
                 backend = _backend(ctx, info, fused_config=config)
                 _check_against(group, backend, want)

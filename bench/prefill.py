@@ -9,7 +9,6 @@ one sharing that prefix with a new suffix (cached), and the same again (all but 
 cached: the per-call floor); medians of --repeats rounds, each on an emptied cache.
 
     python -m bench.prefill --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer
-    python -m bench.prefill --models tiny-llama --backends torch_native --cases 1x32 --device cpu --no-compile
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ writes them as flashinfer-aot.tar.xz.part-*; put those in .device/) are installe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -135,15 +136,12 @@ def start(job: Job, folder: Path) -> subprocess.Popen:
 
 def finish(proc: subprocess.Popen, deadline: float) -> int:
     """The job's exit code; at the deadline SIGINT, then SIGKILL GRACE_S later."""
-    try:
-        return proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            return proc.wait(timeout=GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
+    for sig, timeout in ((None, max(deadline - time.monotonic(), 1)), (signal.SIGINT, GRACE_S), (signal.SIGKILL, None)):
+        if sig is not None:
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=timeout)
+    raise AssertionError("unreachable: the wait after SIGKILL has no timeout")
 
 
 def run_group(jobs: list[Job], folder: Path, deadline: float) -> list[dict]:

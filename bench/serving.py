@@ -160,7 +160,7 @@ def run_offline(engine_argv: list[str], warmup: Workload, work: Workload, probe_
     from bench.prefill import engine_prefill_ms
 
     def measure(engine) -> dict:
-        if len(warmup):
+        if warmup.prompts:
             engine.generate(input_ids=warmup.prompts, sampling_params=[steps.greedy(n) for n in warmup.output_lens])
         elapsed, outs, _ = timed_run(engine, work.prompts, [steps.greedy(n) for n in work.output_lens])
         num_out, probes = sum(len(o.token_ids) for o in outs), max(ns.probes, 1)

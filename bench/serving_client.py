@@ -17,19 +17,16 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from bench.workload import prompts, shapes
 
 
-@dataclass
-class Workload:
+class Workload(NamedTuple):
     """Token-id prompts and the exact output length of each (greedy, ignore_eos)."""
 
     prompts: list[list[int]]
     output_lens: list[int]
-
-    def __len__(self) -> int:
-        return len(self.prompts)
 
 
 def make_workload(n: int, max_input_len: int, max_output_len: int, vocab: int, seed: int = 0,
@@ -116,7 +113,7 @@ async def run_rate(client, url: str, work: Workload, rate: float, seed: int) -> 
     """Send the requests at their Poisson times; wait for all of them."""
     start = time.perf_counter()
     tasks = []
-    for prompt, n_out, offset in zip(work.prompts, work.output_lens, arrival_offsets(len(work), rate, seed)):
+    for prompt, n_out, offset in zip(work.prompts, work.output_lens, arrival_offsets(len(work.prompts), rate, seed)):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)

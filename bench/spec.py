@@ -15,7 +15,6 @@ lm_head rows past N are zero too, so the target's tokens stay among the ids the 
    target's, against a second copy of the draft graphs captured into a pool of their own.
 
     python -m bench.spec --backend triton --token-map 32768
-    python -m bench.spec --model tiny-llama --device cpu --backend torch_native --new-tokens 24 --token-map 0
 """
 
 from __future__ import annotations
