@@ -121,3 +121,22 @@ def resolve_prefix_cache(args: Any, spec_refusal: str | None = None) -> PrefixCa
         logger.warning("prefix cache off: %s (pass --disable-radix-cache to say so)", spec_refusal)
         return PrefixCacheConfig(False, spec_refusal)
     return PrefixCacheConfig(True)
+
+
+def largest_weight_matrix(hf_config: Any) -> int:
+    """Elements of the model's largest weight matrix (embedding or MLP projection), from its config."""
+    hidden = int(hf_config.hidden_size)
+    return max(int(hf_config.vocab_size) * hidden, hidden * int(getattr(hf_config, "intermediate_size", hidden)))
+
+
+def apply_cpu_threads(args: Any, hf_config: Any) -> str:
+    """Set torch's CPU threads for `args` and the model of `hf_config` (resolve_cpu_threads's rule);
+    returns the line that says how many and why. Process-wide: call it where a process starts serving."""
+    import torch
+
+    from backplane.settings import resolve_cpu_threads
+
+    threads, source = resolve_cpu_threads(args, largest_weight_matrix(hf_config))
+    torch.set_num_threads(threads)
+    hint = "" if source == "--cpu-threads" else "; --cpu-threads N overrides"
+    return f"CPU threads: {threads} ({source}{hint})"

@@ -31,6 +31,7 @@ IntList = Annotated[list[int], NoDecode]
 
 
 MAX_DEFAULT_CPU_THREADS = 16
+SMALL_MATRIX = 1 << 20  # weight elements; below it, one CPU thread (measured on tiny-llama: README, docs/performance.md)
 # speculative_* options that only take effect with --speculative-algorithm.
 SPECULATIVE_OPTIONS = ("speculative_draft_model", "speculative_num_steps", "speculative_eagle_topk",
                        "speculative_num_draft_tokens", "speculative_token_map")
@@ -60,8 +61,9 @@ class EngineArgs(BaseSettings):
     context_length: int | None = Field(None, ge=1, description="max tokens per request")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size")
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads on CPU (default: OMP_NUM_THREADS when set, else the cores this "
-        f"process may use, at most {MAX_DEFAULT_CPU_THREADS})")
+        None, ge=1, description="torch threads on CPU (default: OMP_NUM_THREADS when set, else 1 for a model "
+        f"whose largest weight matrix is under {SMALL_MATRIX:,} elements, else the cores this process may use, "
+        f"at most {MAX_DEFAULT_CPU_THREADS})")
     # Backends
     attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
@@ -74,13 +76,13 @@ class EngineArgs(BaseSettings):
     max_loras_per_batch: int = Field(8, ge=1, description="adapter slots on the device")
     max_lora_rank: int | None = Field(None, ge=1, description="default: the largest adapter's rank")
     # Speculative decoding
-    speculative_algorithm: str | None = Field(None, description="registered algorithm (eagle, ngram)")
-    speculative_draft_model: str | None = Field(None, description="draft model directory (EAGLE)")
-    speculative_num_steps: int = Field(3, ge=1, description="draft steps")
-    speculative_eagle_topk: int = Field(1, ge=1, description="branching factor of the draft tree")
+    speculative_algorithm: str | None = Field(None, description="a registered algorithm (`backplane plugins` lists them)")
+    speculative_draft_model: str | None = Field(None, description="deprecated until 0.3: use --eagle.draft-model")
+    speculative_num_steps: int = Field(3, ge=1, description="deprecated until 0.3: use --eagle.num-steps")
+    speculative_eagle_topk: int = Field(1, ge=1, description="deprecated until 0.3: use --eagle.topk")
     speculative_num_draft_tokens: int = Field(4, ge=1, description="draft tokens verified per step")
     speculative_token_map: str | None = Field(
-        None, description="EAGLE: a .pt file of token ids the draft chooses among (a smaller lm_head)")
+        None, description="deprecated until 0.3: use --eagle.token-map")
     # CUDA graphs and compilation
     cuda_graph_bs: IntList | None = Field(None, description="batch sizes to capture")
     cuda_graph_max_bs: int = Field(160, ge=1, description="largest batch size to capture")
@@ -132,7 +134,7 @@ class EngineArgs(BaseSettings):
         if changed:
             given = ", ".join(f"{flag_name(f)} {getattr(self, f)!r}" for f in changed)
             raise ValueError(f"{changed[0]}: {given} take effect only with --speculative-algorithm; expected "
-                             "--speculative-algorithm NAME (eagle, ngram, ...) or none of these flags")
+                             "--speculative-algorithm NAME (a registered algorithm) or none of these flags")
         return self
 
     @field_validator("cuda_graph_bs")
@@ -260,13 +262,18 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_cpu_threads(args: EngineArgs) -> tuple[int, str]:
+def resolve_cpu_threads(args: EngineArgs, largest_matrix: int | None = None) -> tuple[int, str]:
     """(torch threads for CPU work, where the number came from): --cpu-threads, else OMP_NUM_THREADS,
-    else the cores this process may run on (sched_getaffinity), at most MAX_DEFAULT_CPU_THREADS."""
+    else one thread for a model whose largest weight matrix has fewer than SMALL_MATRIX elements
+    (`largest_matrix`, when known: splitting such GEMMs costs more than it gives, and spinning
+    threads collapse when other work shares the cores), else the cores this process may run on
+    (sched_getaffinity), at most MAX_DEFAULT_CPU_THREADS."""
     if args.cpu_threads:
         return args.cpu_threads, "--cpu-threads"
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp), "OMP_NUM_THREADS"
+    if largest_matrix is not None and largest_matrix < SMALL_MATRIX:
+        return 1, f"a small model: its largest weight matrix has {largest_matrix:,} elements"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, MAX_DEFAULT_CPU_THREADS)), f"{cores} cores available to this process"

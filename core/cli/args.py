@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from backplane.settings import EngineArgs, env_name, flag_name, resolve_cpu_threads
+from backplane.settings import EngineArgs, env_name, flag_name
 
 GROUP_SEP = "."
 
@@ -81,8 +81,8 @@ def preflight(args: EngineArgs) -> str:
     """Refuse, in one line, what the model config already rules out: a --tp-size its heads do not
     divide (before any worker starts) and, on CPU, a model larger than the free memory. Then set
     torch's CPU threads; returns a line saying how many and why."""
-    import torch
 
+    from backplane.config import apply_cpu_threads
     from backplane.executor.model_runner import available_memory, resolve_device, resolve_dtype, resolve_model_source
     from backplane.models.config_check import check_model_memory, check_tensor_parallel
 
@@ -92,7 +92,4 @@ def preflight(args: EngineArgs) -> str:
     if device.type != "cpu":  # CUDA's free memory is read by the engine, not by this process
         return f"device {device.type}"
     check_model_memory(config, resolve_dtype(args, device).itemsize, available_memory(device), "cpu", args.tp_size)
-    threads, source = resolve_cpu_threads(args)
-    torch.set_num_threads(threads)
-    hint = "" if source == "--cpu-threads" else "; --cpu-threads N overrides"
-    return f"CPU threads: {threads} ({source}{hint})"
+    return apply_cpu_threads(args, config)

@@ -15,12 +15,17 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--input-ids", action="append", type=_ids, help="comma-separated token ids (repeatable)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="new tokens per prompt (default: 32; SamplingParams in Python defaults to 128, "
+                        "the HTTP completions API to 16)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after end-of-sequence")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens whose probability adds up to P "
+                        "(default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default: 0, off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than P times the most likely one (default: 0.0, off)")
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     g.add_argument("--lora", default=None, help="adapter name (from --lora-paths) for every prompt")
     g.add_argument("--json", action="store_true", help="print one JSON document")
@@ -56,7 +61,7 @@ def _generate_and_print(ns: argparse.Namespace, engine, params) -> int:
     elapsed = time.perf_counter() - start
     num_tokens = sum(len(o.token_ids) for o in outputs)
     if ns.json:
-        print(json.dumps({"outputs": [o.to_dict() for o in outputs], "backends": engine.backends,
+        print(json.dumps({"outputs": [o.to_dict() for o in outputs], "backends": engine.backends, "threads": engine.threads,
                           "stats": engine.stats(), "elapsed_s": elapsed, "tokens_per_s": num_tokens / elapsed}, allow_nan=False))
     else:
         _print_text(outputs, engine, num_tokens, elapsed)
@@ -99,7 +104,12 @@ def _print_text(outputs, engine, num_tokens: int, elapsed: float) -> None:
           f"decode={attn['decode']['backend']} (plugin {attn['decode']['plugin']}); "
           f"custom ops: {_ops_summary(engine.backends['custom_ops'])}")
     print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s; "
-          f"{_cache_summary(engine.stats()['prefix_cache'])}")
+          f"{_cache_summary(engine.stats()['prefix_cache'])}" + (f"; {engine.threads}" if engine.threads else ""))
+    accepted = [o.speculative for o in outputs if o.speculative]
+    if accepted:
+        tokens, steps = sum(a["tokens"] for a in accepted), sum(a["steps"] for a in accepted)
+        print(f"speculative decoding ({engine.args.speculative_algorithm}): {tokens} tokens in {steps} verify "
+              f"steps, mean acceptance length {tokens / max(steps, 1):.2f}")
 
 
 def _cache_summary(cache: dict) -> str:

@@ -73,7 +73,12 @@ def build_parser(plugin_set: PluginSet) -> argparse.ArgumentParser:
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, plugin_set: PluginSet) -> None:
+    from backplane.speculative.factory import algorithm_help
+
     add_model_flags(parser, EngineArgs)
+    for action in parser._actions:  # the algorithms installed here, not a fixed list
+        if action.dest == "speculative_algorithm":
+            action.help = algorithm_help(plugin_set.registry)
     for group, model in sorted(plugin_set.settings_groups().items()):
         add_model_flags(parser, model, group=group)
 

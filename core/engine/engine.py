@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any, Sequence
 
-from backplane.config import resolve_prefix_cache, resolve_runtime
+from backplane.config import apply_cpu_threads, resolve_prefix_cache, resolve_runtime
 from backplane.distributed.launcher import WorkerFailedError
 from backplane.engine.inputs import PromptInput, split_prompts
 from backplane.scheduler.prefix_cache import PrefixCache
@@ -45,6 +45,7 @@ class Engine:
         self.plugin_set.configure(self.args)
         self.spec = check_spec_settings(self.args, self.plugin_set)  # fail fast, before the model
         self.config = resolve_runtime(self.args, resolve_device(self.args))
+        self.threads = self._check_model_and_threads()  # before any worker starts
         # --tp-size N: this process is rank 0 and spawns ranks 1..N-1 (None at tp size 1).
         self.tp = start_tensor_parallel(self.args, plugins, self.config.tensor_parallel)
         with tp_startup(self.tp):  # a failure here stops the workers and names one that caused it
@@ -70,6 +71,20 @@ class Engine:
         self.pid = os.getpid()
         self.driver: str | None = None  # what else runs the scheduler (an AsyncEngine's thread), if anything
         self._dead: str | None = None
+
+    def _check_model_and_threads(self) -> str | None:
+        """Refuse a --tp-size the model's heads do not divide, in one line, before any worker starts;
+        on CPU set torch's threads for this model (backplane.config.apply_cpu_threads) and say so."""
+        from backplane.executor.model_runner import resolve_model_source
+        from backplane.models.config_check import check_tensor_parallel
+
+        hf_config = resolve_model_source(self.args).hf_config
+        check_tensor_parallel(hf_config, self.args.tp_size)
+        if self.config.device != "cpu":
+            return None
+        line = apply_cpu_threads(self.args, hf_config)
+        logger.info("%s", line)
+        return line
 
     # -- EngineClient (backplane.engine.client) ------------------------------------------------
 
@@ -228,8 +243,12 @@ class Engine:
         return RequestOutput(
             token_ids=list(req.output_ids), text=text,
             finish_reason=(req.finish_reason or FinishReason.ABORT).value, logprobs=list(req.logprobs),
-            prompt_token_ids=req.prompt_ids, error=req.error, **_timings(req),
+            prompt_token_ids=req.prompt_ids, error=req.error, speculative=self._acceptance(req), **_timings(req),
         )
+
+    def _acceptance(self, req: Req) -> dict[str, float] | None:
+        accepted = self.spec_worker.acceptance(req) if self.spec_worker is not None else None
+        return accepted.to_dict() if accepted is not None else None
 
 
 def _timings(req: Req) -> dict[str, float | None]:

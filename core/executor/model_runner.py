@@ -237,7 +237,12 @@ class ModelRunner:
         from backplane.models.loader import iterate_safetensors
         from backplane.models.presets import init_dummy_weights
 
+        from backplane.models.config_check import check_model_memory
+
         spec = get_model_spec(self.registry.specs("model"), self.hf_config)
+        # NOTE: before a byte is allocated: a huge vocabulary or context is one line, not an OOM.
+        check_model_memory(self.hf_config, self.dtype.itemsize, available_memory(self.device), self.device.type,
+                           self.parallel.tp_size)
         with torch.device(self.device):
             model = build(self.registry.provenance("model", spec.architecture), self.hf_config, self.model_ctx,
                           kind="model").to(self.dtype)

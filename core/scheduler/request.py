@@ -84,8 +84,8 @@ class Req:
 @dataclass
 class RequestOutput:
     """What `Engine.generate` returns per request: generated token ids (prompt excluded), text,
-    finish reason ("stop", "length" or "abort"), the chosen tokens' log-probabilities, and for an
-    aborted request the error."""
+    finish reason ("stop", "length" or "abort"), the chosen tokens' log-probabilities, for an
+    aborted request the error, and under speculative decoding its acceptance."""
 
     token_ids: list[int]
     text: str
@@ -95,6 +95,8 @@ class RequestOutput:
     error: str | None = None
     ttft_s: float | None = None  # time to first token, from the request's arrival (seconds)
     tpot_s: float | None = None  # mean time per output token after the first (seconds)
+    # Under speculative decoding: steps, accepted_drafts, tokens, mean_acceptance_length (None otherwise).
+    speculative: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # NOTE: JSON has no NaN: a log-probability that is not finite (a model gone NaN) is null.
@@ -103,4 +105,6 @@ class RequestOutput:
                "logprobs": logprobs}
         if self.error:
             out["error"] = self.error
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
         return out

@@ -85,10 +85,14 @@ def load_token_map(path: str, vocab_size: int, flag: str = "--eagle.token-map") 
         raise ValueError(f"{flag} {path!r}: no such file; expected a .pt file holding a "
                          "tensor or list of token ids")
     try:
-        ids = torch.as_tensor(torch.load(file, map_location="cpu", weights_only=True), dtype=torch.int64).view(-1)
-    except Exception as exc:  # noqa: BLE001 - any unreadable content gets the same clear message
+        values = torch.as_tensor(torch.load(file, map_location="cpu", weights_only=True))
+    except Exception as exc:  # noqa: BLE001 - any unreadable content (a text file) gets the same clear message
+        first = (str(exc).strip().splitlines() or [""])[0]
         raise ValueError(f"{flag} {path!r}: expected a tensor or list of token ids saved with "
-                         f"torch.save, could not read it: {type(exc).__name__}: {exc}") from exc
+                         f"torch.save, could not read it: {type(exc).__name__}: {first}") from exc
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(f"{flag} {path!r}: expected integer token ids, got {values.dtype}")
+    ids = values.to(torch.int64).view(-1)
     if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         got = f"{ids.numel()} ids" + (f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else "")
         raise ValueError(f"{flag} {path!r}: expected token ids in [0, {vocab_size}), got {got}")

@@ -19,7 +19,7 @@ def subcommand_actions(name: str):
     return [a for a in sub.choices[name]._actions if a.option_strings and a.dest != "help"]
 
 
-@pytest.mark.parametrize("command", ["bench", "serve"])
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
 def test_every_flag_has_help(command):
     missing = [a.option_strings[0] for a in subcommand_actions(command) if not (a.help or "").strip()]
     assert not missing, f"backplane {command}: flags without help: {missing}"
