@@ -44,6 +44,12 @@ DEPRECATED_MODULES = (
     "backplane.attention.base",
     "backplane.lora.base",
     "backplane.lora.batch_info",
+    "backplane.engine.batch_builder",
+    "backplane.engine.prefix_cache",
+    "backplane.engine.request",
+    "backplane.engine.sampling_params",
+    "backplane.engine.scheduler",
+    "backplane.engine.stream",
 )
 
 

@@ -1,4 +1,5 @@
-"""The engines: Engine (blocking), AsyncEngine (streaming), SamplingParams, the continuous-batching scheduler."""
+"""The engines: Engine (blocking), AsyncEngine (streaming), and SamplingParams/RequestOutput re-exported from
+the continuous-batching scheduler (backplane.scheduler)."""
 
 from backplane.engine.async_engine import AsyncEngine, RequestStream, StreamChunk
 from backplane.engine.engine import Engine

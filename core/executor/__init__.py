@@ -1,1 +1,2 @@
-"""The executor's spine: the forward batch, the KV pools, the model runner and the graph runner."""
+"""The executor's spine: the model runner, the graph runner and graph sizes, torch.compile (the batch,
+the pools and the backend contracts it runs on are in backplane.contracts)."""

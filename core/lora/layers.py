@@ -3,7 +3,7 @@
 `wrap_model` replaces every q/k/v, o, gate/up and down projection module with a wrapper that holds
 the original module as `base_layer` (its forward is called, never copied) and one stacked weight
 buffer per projection, allocated once for every slot at the padded rank R_max (the layout of
-core/lora/base.py):
+core/contracts/lora.py):
 
   lora_a: [num_slots, num_slices * R_max, in_features]
   lora_b: [num_slots, out_features, R_max]

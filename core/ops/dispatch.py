@@ -2,7 +2,7 @@
 
 For each op the highest-priority usable implementation registered for the platform wins, unless
 `--custom-ops op=name` names one. The native implementation is always available under "native".
-A plugin's implementation is first run once on a small input next to the native op (probe.py):
+A plugin's implementation is first run once on a small input next to the native op (backplane.plugin.op_probe):
 one that raises or returns another shape, dtype or value is skipped under auto, with the reason
 logged, and refused in one line when named explicitly (backplane.plugin.op_probe).
 Inside torch.compile the table's `for_compile()` is used: the ops whose implementation declared

@@ -1,7 +1,7 @@
 """How a plugin's failure is told: one line, and the file:line in the plugin's own code.
 
 Used while plugins load (manager.py) and after, when a factory, `available()` or a hook raises or
-returns the wrong thing (build.py, selection.py, the configure hook, the custom-op check).
+returns the wrong thing (runtime.py, selection.py, the configure hook, the custom-op check).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What plugins register (spec dataclasses), the `register` callbacks, and backend selection.
+"""What plugins register (spec dataclasses) and the `register` callbacks (selection: selection.py).
 
 A spec is data: a name, a lazy factory, a one-line description and declared capabilities. The
 registry validates every item the moment it is registered and remembers which plugin gave it.

@@ -1,4 +1,4 @@
-"""What a speculative algorithm's factory receives: SpecContext, and the TargetRunner it reads."""
+"""What a speculative algorithm's factory receives: SpecContext (the TargetRunner it reads is in target.py)."""
 
 from __future__ import annotations
 

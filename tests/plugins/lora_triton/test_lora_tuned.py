@@ -1,5 +1,5 @@
 """The fused kernel's tuned launch table (tuned.py): lookup, bad files, what the backend launches with,
-the `--triton-lora.*` options and their errors (docs/reliability.md R73), and bench/lora_decode.py's tuner."""
+the `--triton-lora.*` options and their errors (docs/reliability.md R73), and the tuner of python -m bench.lora_kernels."""
 
 import os
 
