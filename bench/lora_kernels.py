@@ -185,10 +185,8 @@ def _one_per_bucket(entries: list[dict]) -> list[dict]:
     """Token counts that pad to one block_t share a table entry: keep the one measured at the most
     tokens (the bucket's worst case)."""
     kept: dict[tuple, dict] = {}
-    for e in entries:
-        key = (e["k"], tuple(e["widths"]), e["block_r"], e["block_t"])
-        if key not in kept or e["tokens"] > kept[key]["tokens"]:
-            kept[key] = e
+    for e in sorted(entries, key=lambda e: e["tokens"]):  # stable: the most tokens come last and stay
+        kept[(e["k"], tuple(e["widths"]), e["block_r"], e["block_t"])] = e
     return list(kept.values())
 
 

@@ -51,9 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("engine_args", nargs="*", metavar="-- ENGINE_FLAGS", help="for serve and the offline Engine")
     ns = p.parse_args(argv)
-    ns.rates = [float(r) for r in ns.request_rates.split(",")]
-    if any(r <= 0 for r in ns.rates):
-        p.error(f"--request-rates: expected positive numbers or inf, got {ns.request_rates!r}")
+    try:
+        ns.rates = [float(r) for r in ns.request_rates.split(",")]
+    except ValueError:
+        ns.rates = []
+    if not ns.rates or any(not r > 0 for r in ns.rates):
+        p.error(f"--request-rates: expected positive numbers or inf separated by commas, got {ns.request_rates!r}")
     return ns
 
 
@@ -125,13 +128,13 @@ def workloads(ns: argparse.Namespace, vocab: int) -> tuple[Workload, dict[str, W
     """The warm-up (4 output tokens each) and one workload per rate; `inf` is the full one, which the
     offline Engine runs too. Each has its own token ids: no run finds another's prompts in the
     prefix cache. The finite rates take the first lengths of the same draw."""
-    def make(n: int, token_seed: int, cap: int | None = None) -> Workload:
-        return make_workload(n, ns.max_input_len, ns.max_output_len, vocab, ns.seed, token_seed, cap)
+    def make(n: int, token_seed: int, max_output_len: int = ns.max_output_len) -> Workload:
+        return make_workload(n, ns.max_input_len, max_output_len, vocab, ns.seed, token_seed)
 
     per_rate = {rate_name(r): make(requests_at(r, ns), ns.seed + 1000 + i)
                 for i, r in enumerate(ns.rates) if not math.isinf(r)}
     per_rate["inf"] = make(ns.num_prompts, ns.seed + 1)
-    return make(ns.warmup, ns.seed + 2000, cap=4), per_rate
+    return make(ns.warmup, ns.seed + 2000, min(4, ns.max_output_len)), per_rate
 
 
 async def run_http(url: str, warmup: Workload, per_rate: dict[str, Workload], ns: argparse.Namespace) -> dict:
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_argv = ["--model", ns.model, "--device", ns.device, *ns.engine_args]
     warmup, per_rate = workloads(ns, vocab_size(ns.model))
     meta = report.environment(ns.device)
-    path = report.result_path("serving", Path(ns.model).name, meta, ns.out)
+    path = report.result_path("serving", Path(ns.model).name, meta, ns.out)  # the server log beside it
     server = ServerProcess(engine_argv, path.with_name(path.stem + "-server.log"), ns.startup_timeout)
     try:
         rows = asyncio.run(run_http(server.url, warmup, per_rate, ns))
@@ -233,9 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = compare(rows, offline, ns)
     for section in (*rows.values(), offline or {}):
         section.pop("outputs", None)
-    result = {"model": ns.model, "device": meta["device"], "engine_args": engine_argv,
-              "args": {k: v for k, v in vars(ns).items() if k != "rates"}, "server_exit_code": exit_code,
-              "rates": rows, "offline": offline, "targets": targets}
+    result = {"model": ns.model, "engine_args": engine_argv, "args": {k: v for k, v in vars(ns).items() if k != "rates"},
+              "server_exit_code": exit_code, "rates": rows, "offline": offline, "targets": targets}
     path.write_text(json.dumps({"meta": meta, **result}, indent=1))
     print(f"wrote {path}")
     print(table(rows, offline, targets))

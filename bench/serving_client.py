@@ -29,11 +29,9 @@ class Workload(NamedTuple):
     output_lens: list[int]
 
 
-def make_workload(n: int, max_input_len: int, max_output_len: int, vocab: int, seed: int = 0,
-                  token_seed: int = 1, max_output_cap: int | None = None) -> Workload:
+def make_workload(n: int, max_input_len: int, max_output_len: int, vocab: int, seed: int = 0, token_seed: int = 1) -> Workload:
     """bench/e2e.py's sharegpt-like lengths (seeded by `seed`) clamped to the maxima, and random
     token ids in [3, vocab) seeded by `token_seed`: the same lengths with other tokens share no prefix."""
-    max_output_len = min(max_output_len, max_output_cap or max_output_len)
     lengths = [(min(i, max_input_len), min(o, max_output_len)) for i, o in shapes("sharegpt-like", n, seed=seed)]
     return Workload(prompts([i for i, _ in lengths], vocab, seed=token_seed), [o for _, o in lengths])
 
@@ -121,13 +119,11 @@ async def run_rate(client, url: str, work: Workload, rate: float, seed: int) -> 
     return list(await asyncio.gather(*tasks))
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between the closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    xs, pos = sorted(values), (len(values) - 1) * q / 100
-    lo, hi = math.floor(pos), min(math.floor(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+def percentile(values: list[float], q: int) -> float | None:
+    """The q-th percentile, interpolated between the closest ranks (numpy's default); None for no values."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def ms(values: list[float]) -> dict[str, float | None]:

@@ -33,7 +33,7 @@ def test_workloads_share_lengths_but_not_tokens():
     assert [len(p) for p in a.prompts] == [len(p) for p in b.prompts] and a.output_lens == b.output_lens
     assert all(1 <= len(p) <= 64 for p in a.prompts) and all(1 <= n <= 16 for n in a.output_lens)
     assert all(x != y for x, y in zip(a.prompts, b.prompts))
-    assert client.make_workload(5, 64, 16, 512, 0, 1, max_output_cap=4).output_lens == [min(4, n) for n in a.output_lens[:5]]
+    assert client.make_workload(5, 64, 4, 512, 0, 1).output_lens == [min(4, n) for n in a.output_lens[:5]]
 
 
 def test_missing_serve_dependencies_fail_with_one_line(monkeypatch, capsys):
