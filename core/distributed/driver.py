@@ -148,7 +148,24 @@ def start_tensor_parallel(args: Any, extra_plugins: Any = (),
     """The driver of `--tp-size N` (spawns ranks 1..N-1); None at tp size 1. config: the resolved
     world size and backend (backplane.config.resolve_runtime); derived from `args` when None."""
     size = config.world_size if config is not None else args.tp_size
+    if size > 1:
+        refuse_inside_a_worker()
     return TPDriver(args, list(extra_plugins), config) if size > 1 else None
+
+
+def refuse_inside_a_worker() -> None:
+    """A worker re-importing a main module that builds an Engine at top level (no main guard) would
+    start workers of its own: it exits at once, with a code rank 0 reports as that cause."""
+    import multiprocessing as mp
+    import os
+    import sys
+
+    from backplane.distributed.launcher import EXIT_MAIN_GUARD, MAIN_GUARD_HINT, WORKER_NAME
+
+    if mp.current_process().name.startswith(WORKER_NAME):
+        print(f"backplane: error: tensor-parallel worker {mp.current_process().name}: {MAIN_GUARD_HINT}",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_MAIN_GUARD)  # NOTE: SystemExit would become exit code 1 in the worker's bootstrap
 
 
 def check_tp_settings(args: Any) -> None:

@@ -31,6 +31,10 @@ COLLECTIVE_TIMEOUT_S = 600.0  # one collective of the tensor group (a forward's 
 IDLE_TIMEOUT = timedelta(days=30)  # workers wait on the host group between generate calls
 POLL_S = 0.05
 START_METHOD = "forkserver"
+WORKER_NAME = "backplane-tp-rank"  # + the rank: the worker processes' names
+EXIT_MAIN_GUARD = 3  # a worker that found itself re-running the script that creates the Engine
+MAIN_GUARD_HINT = ("it re-ran the script that creates the Engine, as every tensor-parallel worker imports the "
+                   "main module: put the Engine under `if __name__ == \"__main__\":`")
 PRELOAD = ["backplane.distributed.preload"]
 
 
@@ -99,7 +103,7 @@ class WorkerHandles:
         reports = ctx.Queue()
         processes = {}
         for config in configs:
-            process = ctx.Process(target=target, args=(config, reports), name=f"backplane-tp-rank{config.rank}",
+            process = ctx.Process(target=target, args=(config, reports), name=f"{WORKER_NAME}{config.rank}",
                                   daemon=True)
             process.start()
             processes[config.rank] = process
@@ -191,4 +195,6 @@ class WorkerHandles:
 def _exit_cause(exitcode: int) -> str:
     if exitcode < 0:
         return f"the process was killed by signal {-exitcode}"
+    if exitcode == EXIT_MAIN_GUARD:
+        return MAIN_GUARD_HINT
     return f"the process exited with code {exitcode} without reporting an error"

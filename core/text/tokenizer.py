@@ -9,6 +9,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# What holds a vocabulary (tokenizer_config.json alone does not: transformers then builds an empty one).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")
 
 
 def load_tokenizer(path: Path | None, vocab_size: int, tokenizer_path: str | None = None) -> Any | None:
@@ -25,6 +28,10 @@ def load_tokenizer(path: Path | None, vocab_size: int, tokenizer_path: str | Non
     if path is not None and _has_tokenizer(path):
         return _hf_tokenizer(path, "--tokenizer-path" if tokenizer_path is not None else "model tokenizer")
     from backplane.models.byte_tokenizer import ByteTokenizer
+
+    if path is not None and path.is_dir():  # a real model directory without one: say what text will be
+        logger.warning("model directory '%s' has no tokenizer (%s): text is encoded as bytes, not the model's "
+                       "vocabulary; pass --tokenizer-path DIR", path, ", ".join(TOKENIZER_FILES))
 
     if vocab_size >= ByteTokenizer.vocab_size:
         return ByteTokenizer()
@@ -43,6 +50,10 @@ def _has_tokenizer(path: Path) -> bool:
 
 def _hf_tokenizer(path: Path, what: str) -> Any:
     from transformers import AutoTokenizer
+
+    if not any((path / name).exists() for name in VOCABULARY_FILES):
+        raise ValueError(f"{what} '{path}': tokenizer_config.json without a vocabulary; expected one of "
+                         f"{', '.join(VOCABULARY_FILES)} beside it (or --tokenizer-path DIR)")
 
     try:
         return AutoTokenizer.from_pretrained(str(path))

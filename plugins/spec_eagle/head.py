@@ -106,6 +106,13 @@ def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _check_embedding(weight: torch.Tensor | None, expected: tuple[int, int], flag: str, path: str) -> None:
+    """A draft's own embedding must index the target's vocabulary: one line naming the draft and flag."""
+    if weight is not None and tuple(weight.shape) != expected:
+        raise ValueError(f"{flag} {path!r}: embed_tokens.weight has shape {tuple(weight.shape)}; expected "
+                         f"{expected} (the target's vocabulary by the draft's hidden size)")
+
+
 def load_eagle_head(path: str, target, model_ctx, flag: str = "--eagle.draft-model") -> EagleHead:
     """Build an EagleHead from the checkpoint directory `path`, sharing the target's embedding and
     lm_head; a bad checkpoint is a ValueError naming `flag`."""
@@ -122,6 +129,7 @@ def load_eagle_head(path: str, target, model_ctx, flag: str = "--eagle.draft-mod
     tensors.pop("lm_head.weight", None)  # the target's lm_head is used
     if "fc.weight" not in tensors:
         raise ValueError(f"{flag} {path!r}: no 'fc.weight' tensor; got {sorted(tensors)[:6]}")
+    _check_embedding(tensors.get("embed_tokens.weight"), (int(target.vocab_size), int(config.hidden_size)), flag, path)
     with torch.device(model_ctx.device):
         head = EagleHead(config, model_ctx, target, own_embedding="embed_tokens.weight" in tensors,
                          input_norm="layers.0.input_layernorm.weight" in tensors,
