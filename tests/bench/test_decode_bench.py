@@ -4,6 +4,7 @@ and a decode run puts the engine beside the peer row by row in a result file nam
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -29,10 +30,12 @@ def test_a_decode_run_sets_each_variant_beside_the_peer(tmp_path, capsys):
                         "--context", "8", "--no-compile", "--profile", "1", "--out", str(tmp_path), *CPU])
     assert [(r["variant"], r["batch_size"]) for r in rows] == [("overlap", 1), ("overlap", 2), ("no-overlap", 1),
                                                                ("no-overlap", 2)]
-    for r in rows:
-        assert r["engine_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] == r["engine_ms"] / r["peer_ms"]
+    for r in rows:  # NOTE: engine_ms is a difference of two timed runs: on a loaded CPU it may come out near 0
+        assert math.isfinite(r["engine_ms"]) and r["peer_ms"] > 0 and r["ratio"] == r["engine_ms"] / r["peer_ms"]
         assert r["replay_ms"] is None and r["step_floor"] == r["engine_ms"] / r["floor_ms"]  # no graphs on CPU
-    assert rows[0]["profile"]["wall_ms"] > 0 and "profile" not in rows[1]
+    profile = rows[0]["profile"]  # on CPU no device kernel: the whole step is host time
+    assert profile["kernel_ms"] == profile["launches"] == 0 and profile["host_or_gap_ms"] == profile["wall_ms"]
+    assert math.isfinite(profile["wall_ms"]) and "profile" not in rows[1]
     (path,) = tmp_path.glob("decode-tiny-llama-cpu-*.json")
     doc = json.loads(path.read_text())
     assert doc["meta"]["card"] == "cpu" and len(doc["rows"]) == 4 and set(doc["captures"]["torch_native"]) == {"overlap", "no-overlap"}
