@@ -131,6 +131,16 @@ class Engine:
         tokens prefill computed (prefill_tokens)."""
         return {"prefix_cache": self.scheduler.prefix_cache.stats()}
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache and put the free KV slots back in order, as on a fresh engine
+        (benchmarks time a workload from the same start). Only between generate calls."""
+        with self._lock:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError(f"flush_cache: expected no request in flight, got {len(self.scheduler.running)} "
+                                   f"running and {len(self.scheduler.waiting)} waiting")
+            self.scheduler.prefix_cache.clear()
+            self.runner.token_to_kv_pool.sort_free()
+
     @property
     def overlap_schedule(self) -> bool:
         """Whether steps overlap (on by default; off with --disable-overlap-schedule or speculation)."""

@@ -52,3 +52,4 @@ def test_a_tp_size_the_heads_do_not_divide_is_refused_before_any_worker(monkeypa
     with pytest.raises(ValueError, match="tp"):
         Engine("tiny-llama", device="cpu", tp_size=3)
     assert started == []
+
