@@ -34,19 +34,21 @@ class Runtime:
 
 
 def build_runtime(args: Any, plugin_set: Any, parallel: Any = None, *, router: Any = None,
-                  speculative: bool = True, ready: Callable[[Any], None] | None = None, pool: Any = None) -> Runtime:
+                  speculative: bool = True, ready: Callable[[Any], None] | None = None, pool: Any = None,
+                  source: Any = None) -> Runtime:
     """Build the runner, LoRA, speculation, then call `ready(lora_manager)`, then capture graphs.
 
     args: EngineArgs; plugin_set: the loaded plugins (already configured); parallel: the
     ParallelContext of tensor parallelism (None at tp size 1); router: rank 0's ForwardRouter (the
     TP driver). speculative=False builds no draft worker (tensor-parallel workers). pool: the resolved
-    PoolConfig (backplane.config; resolved from args when None).
+    PoolConfig (backplane.config; resolved from args when None); source: the ModelSource already read
+    (its config.json read once per process; read from args when None).
     """
     from backplane.executor.model_runner import ModelRunner
     from backplane.lora.manager import attach_lora
     from backplane.speculative.factory import build_spec_worker
 
-    runner = ModelRunner(args, plugin_set, parallel, router=router, pool=pool)
+    runner = ModelRunner(args, plugin_set, parallel, router=router, pool=pool, source=source)
     runtime = Runtime(runner, attach_lora(runner))
     if speculative:
         runtime.spec_worker = build_spec_worker(args, plugin_set, runner, runtime.participants)

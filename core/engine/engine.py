@@ -51,7 +51,7 @@ class Engine:
         with tp_startup(self.tp):  # a failure here stops the workers and names one that caused it
             runtime = build_runtime(self.args, self.plugin_set, self.tp.parallel if self.tp else None,
                                     router=self.tp, ready=self.tp.wait_ready if self.tp else None,
-                                    pool=self.config.pool)
+                                    pool=self.config.pool, source=self.source)
         self.runner, self.lora_manager, self.spec_worker = runtime.runner, runtime.lora, runtime.spec_worker
         self.tokenizer = load_tokenizer(self.runner.source.path, int(self.runner.hf_config.vocab_size),
                                         self.args.tokenizer_path)
@@ -78,7 +78,8 @@ class Engine:
         from backplane.executor.model_runner import resolve_model_source
         from backplane.models.config_check import check_tensor_parallel
 
-        hf_config = resolve_model_source(self.args).hf_config
+        self.source = resolve_model_source(self.args)
+        hf_config = self.source.hf_config
         check_tensor_parallel(hf_config, self.args.tp_size)
         if self.config.device != "cpu":
             return None

@@ -129,7 +129,8 @@ class ModelRunner:
     """
 
     def __init__(self, args: EngineArgs, plugin_set: PluginSet, parallel: ParallelContext | None = None,
-                 router: ForwardRouter | None = None, pool: PoolConfig | None = None):
+                 router: ForwardRouter | None = None, pool: PoolConfig | None = None,
+                 source: ModelSource | None = None):
         self.args = args
         self.plugin_set = plugin_set
         self.registry = plugin_set.registry
@@ -140,7 +141,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args, self.device)
         self.pool_config = pool or resolve_pool(args, self.device.type)  # resolved once (backplane.config)
-        self.source = resolve_model_source(args)
+        self.source = source or resolve_model_source(args)  # the engine's, read once
         self.hf_config = self.source.hf_config
         self.model_ctx = ModelContext(
             ops=resolve_custom_ops(list(self.registry.specs("custom_op").values()),
