@@ -18,17 +18,13 @@ import argparse
 import asyncio
 import json
 import math
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from backplane.testing.server import LiveServer, ServerStartError, missing_dependencies
 from bench import report, steps
-from bench.e2e import timed_run
 from bench.serving_client import Workload, make_workload, rate_name, run_rate, summarize
 
-CLIENT_DEPENDENCIES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 MIN_REQUESTS_PER_RATE = 8
 TARGETS = {"saturation": 0.9, "low_rate_ttft": 1.5, "ttft_allowance_ms": 5.0}
 LATENCIES = ("ttft", "itl", "e2e")
@@ -60,68 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-def missing_dependencies() -> list[str]:
-    import importlib.util
-
-    return [m for m in CLIENT_DEPENDENCIES if importlib.util.find_spec(m) is None]
-
-
 def vocab_size(model: str) -> int:
-    from backplane.models.loader import load_hf_config
-    from backplane.models.presets import PRESETS, get_preset
+    """The vocabulary of --model (a preset or a model directory), read as the engine reads it."""
+    from backplane import EngineArgs
+    from backplane.executor.model_runner import resolve_model_source
 
-    config = get_preset(model) if model in PRESETS else load_hf_config(model)
-    return int(config.vocab_size)
+    return int(resolve_model_source(EngineArgs(model=model)).hf_config.vocab_size)
 
 
 def requests_at(rate: float, ns: argparse.Namespace) -> int:
     """All --num-prompts at inf; else rate x --max-duration, at least MIN_REQUESTS_PER_RATE."""
     count = math.inf if math.isinf(rate) else max(MIN_REQUESTS_PER_RATE, math.ceil(rate * ns.max_duration))
     return min(ns.num_prompts, count)
-
-
-class ServerProcess:
-    """`backplane serve` in a subprocess on a free port, ready once /health answers 200."""
-
-    def __init__(self, engine_argv: list[str], log_path: Path, timeout: float):
-        with socket.socket() as s:  # a free port
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url, self.log_path, self.log = f"http://127.0.0.1:{port}", log_path, open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "backplane.cli", "serve", "--port", str(port),
-                                      *engine_argv], stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait_ready(timeout)
-
-    def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, lines: int = 30) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> int:
-        """SIGTERM (drains, exits 0), then wait; kill after 60 s. The exit code."""
-        self.proc.terminate()  # nothing when it has exited
-        try:
-            code = self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        return code
 
 
 def workloads(ns: argparse.Namespace, vocab: int) -> tuple[Workload, dict[str, Workload]]:
@@ -165,7 +111,8 @@ def run_offline(engine_argv: list[str], warmup: Workload, work: Workload, probe_
     def measure(engine) -> dict:
         if warmup.prompts:
             engine.generate(input_ids=warmup.prompts, sampling_params=[steps.greedy(n) for n in warmup.output_lens])
-        elapsed, outs, _ = timed_run(engine, work.prompts, [steps.greedy(n) for n in work.output_lens])
+        engine.flush_cache()  # as fresh as the server's engine: no warm-up prompts cached
+        elapsed, outs = steps.timed_generate(engine, work.prompts, [steps.greedy(n) for n in work.output_lens])
         num_out, probes = sum(len(o.token_ids) for o in outs), max(ns.probes, 1)
         probe = {"input_len": probe_len, "probes": probes, "median_ms": engine_prefill_ms(engine, 1, probe_len, probes)}
         return {"requests": len(outs), "seconds": elapsed, "output_tokens": num_out, "output_tok_s": num_out / elapsed,
@@ -223,10 +170,20 @@ def main(argv: list[str] | None = None) -> int:
               "pip install 'backplane-llm[serve]' httpx, or carry a site archive that has them", file=sys.stderr)
         return 2
     engine_argv = ["--model", ns.model, "--device", ns.device, *ns.engine_args]
-    warmup, per_rate = workloads(ns, vocab_size(ns.model))
+    try:
+        vocab = vocab_size(ns.model)
+    except ValueError as err:  # not a preset nor a model directory: one line
+        print(f"bench.serving: {err}", file=sys.stderr)
+        return 2
+    warmup, per_rate = workloads(ns, vocab)
     meta = report.environment(ns.device)
     path = report.result_path("serving", Path(ns.model).name, meta, ns.out)  # the server log beside it
-    server = ServerProcess(engine_argv, path.with_name(path.stem + "-server.log"), ns.startup_timeout)
+    try:
+        server = LiveServer(*engine_argv, log_path=path.with_name(path.stem + "-server.log"),
+                            startup_timeout=ns.startup_timeout)
+    except ServerStartError as err:  # its message ends with the server's last log lines
+        print(f"bench.serving: {err}", file=sys.stderr)
+        return 1
     try:
         rows = asyncio.run(run_http(server.url, warmup, per_rate, ns))
     finally:

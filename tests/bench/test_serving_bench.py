@@ -43,6 +43,21 @@ def test_missing_serve_dependencies_fail_with_one_line(monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and "uvicorn" in err
 
 
+def test_a_bad_model_is_one_line_before_any_server(capsys):
+    assert serving.main(["--model", "no-such-model", *CPU]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("bench.serving: --model 'no-such-model': expected a local")
+
+
+def test_a_server_that_dies_at_startup_is_reported_with_its_log(tmp_path, capsys):
+    code = serving.main(["--model", "tiny-llama", *CPU, "--out", str(tmp_path), "--", "--attention-backend", "nope"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("bench.serving: backplane serve exited with code 2 before /health answered")
+    (log,) = tmp_path.glob("serving-tiny-llama-cpu-*-server.log")  # kept beside where the result would be
+    assert f"({log})" in err and "nope" in err.splitlines()[-1] and "nope" in log.read_text()
+    assert list(tmp_path.glob("*.json")) == []
+
+
 def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server subprocess: tiny models want one thread
     code = serving.main(["--model", "tiny-llama", *CPU, "--num-prompts", "6", "--request-rates", "4,inf",
