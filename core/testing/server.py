@@ -7,13 +7,13 @@ which is kept, or a temporary file, which `stop()` deletes.
 
 How it waits: the constructor polls GET /health (without proxies) every `poll_s` seconds and returns
 once it answers 200. If the process exits first, or /health has not answered 200 within
-`startup_timeout` seconds, it stops the process and raises `ServerStartError` whose message holds
-the exit code (or the timeout) and the last lines of the log.
+`startup_timeout` seconds, it stops the process and raises `ServerStartError`: the exit code (or
+the timeout), the kept log's path, and the log's last 30 lines.
 
 How it stops: `terminate()` sends SIGTERM (the server drains and exits 0) and waits, raising
 `subprocess.TimeoutExpired` on a hang, so a test of shutdown fails; `stop()` does the same but kills
-a server that hangs, then closes the log. Both return the exit code. `with LiveServer(...) as s:`
-stops it on leaving.
+a server that hangs, then closes the log (deleting a temporary one). Both return the exit code.
+`with LiveServer(...) as server:` stops it on leaving.
 
 Needs the serve extra and httpx (`missing_dependencies()` names what is not importable).
 
