@@ -49,9 +49,9 @@ def record_replays(engine) -> list:
     assert graphs is not None, "CUDA graphs were not captured"
     keys, original = [], graphs.replay
 
-    def replay(batch):
-        keys.append(graphs.key_for(batch))
-        return original(batch)
+    def replay(batch, key=None):
+        keys.append(key or graphs.key_for(batch))
+        return original(batch, key)
 
     graphs.replay = replay
     return keys
