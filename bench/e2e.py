@@ -67,8 +67,7 @@ def floor_seconds(lengths: list[tuple[int, int]], weights: int, kv_per_token: in
 
 def timed_run(engine: Engine, batch: list[list[int]], params: list[SamplingParams]) -> tuple[float, list, int]:
     """(seconds, outputs, prompt tokens prefill computed) of one generate on an emptied cache and a fresh slot order."""
-    engine.scheduler.prefix_cache.clear()
-    engine.runner.token_to_kv_pool.sort_free()
+    engine.flush_cache()
     before = engine.stats()["prefix_cache"]["prefill_tokens"]
     seconds, outs = steps.timed_generate(engine, batch, params)
     return seconds, outs, engine.stats()["prefix_cache"]["prefill_tokens"] - before

@@ -54,7 +54,7 @@ def engine_prefill_ms(engine: Engine, bs: int, length: int, repeats: int) -> flo
     """Median time to first token of bs fresh prompts (new tokens each repeat, an emptied cache)."""
     vocab, times = int(engine.runner.hf_config.vocab_size), []
     for i in range(repeats + 1):  # the first warms this shape's kernels up and is dropped
-        engine.scheduler.prefix_cache.clear()
+        engine.flush_cache()
         times.append(ttft_ms(engine, prompts([length] * bs, vocab, seed=100 + i)))
     return statistics.median(times[1:])
 
@@ -73,7 +73,7 @@ def cached_probe(engine: Engine, prefix: int, suffix: int, repeats: int) -> dict
     the prompt tokens each found in the cache."""
     vocab, probes = int(engine.runner.hf_config.vocab_size), {"uncached": [], "cached": [], "floor": []}
     for i in range(repeats + 1):  # round 0 warms this length's kernels up and is dropped
-        engine.scheduler.prefix_cache.clear()
+        engine.flush_cache()
         head, tail, other_tail = prompts([prefix, suffix, suffix], vocab, seed=200 + i)
         # the uncached request leaves `head` in the cache for the cached one, whose repeat is the floor
         for name, prompt in (("uncached", head + tail), ("cached", head + other_tail), ("floor", head + other_tail)):

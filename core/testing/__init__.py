@@ -1,1 +1,2 @@
-"""Conformance suites any backend plugin can run against the torch_native references."""
+"""What a plugin's own test suite can use: conformance suites any backend can run against the
+torch_native references, the import-boundary and layering checks, and a live-server launcher."""
