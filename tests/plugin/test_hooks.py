@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import inspect
 import re
-import types
 from pathlib import Path
 
 import pytest
+from helpers_plugins import make_plugin
 from pydantic import BaseModel
 
-from backplane import hookimpl
 from backplane.plugin import hookspecs
 from backplane.cli import parse_server_args
 from backplane.plugin.manager import load_plugins
@@ -25,15 +24,6 @@ from backplane.plugin.selection import AttentionRequirements, LoraRequirements, 
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK_NAMES = sorted(n for n in dir(hookspecs) if n.startswith("backplane_"))
-
-
-def make_plugin(name: str, **hooks) -> types.SimpleNamespace:
-    """A throwaway plugin object whose attributes are hook implementations."""
-    plugin = types.SimpleNamespace(__name__=name)
-    for hook_name, fn in hooks.items():
-        fn.__name__ = hook_name
-        setattr(plugin, hook_name, hookimpl(fn))
-    return plugin
 
 
 @pytest.fixture(autouse=True)

@@ -8,20 +8,13 @@ import signal
 import types
 
 import pytest
+from helpers_plugins import make_plugin as _plugin
 
-from backplane import PLUGIN_API_VERSION, SpecAlgorithmSpec, hookimpl
+from backplane import PLUGIN_API_VERSION, SpecAlgorithmSpec
 from backplane.plugin import discovery, manager
 from backplane.plugin.manager import PluginLoadError, load_plugins
 from backplane.plugin.selection import SelectionError, resolve
 from backplane.plugin.version import check_api_version
-
-
-def _plugin(name: str, api=None, **hooks) -> types.SimpleNamespace:
-    plugin = types.SimpleNamespace(__name__=name, **({"BACKPLANE_PLUGIN_API": api} if api is not None else {}))
-    for hook, fn in hooks.items():
-        fn.__name__ = hook
-        setattr(plugin, hook, hookimpl(fn))
-    return plugin
 
 
 @pytest.fixture(autouse=True)

@@ -3,12 +3,12 @@ naming the plugin, what failed and the plugin's file:line; `auto` moves on with 
 
 from __future__ import annotations
 
-import types
 
 import pytest
+from helpers_plugins import make_plugin as _plugin
 import torch
 
-from backplane import AttentionBackendSpec, CustomOpImpl, LoraBackendSpec, ModelSpec, SpecAlgorithmSpec, hookimpl
+from backplane import AttentionBackendSpec, CustomOpImpl, LoraBackendSpec, ModelSpec, SpecAlgorithmSpec
 from backplane.cli import main
 from backplane.ops.dispatch import resolve_custom_ops
 from backplane.plugin.manager import load_plugins
@@ -18,14 +18,6 @@ from backplane.plugin.selection import AttentionRequirements, select_attention_b
 
 HERE = "test_plugin_runtime.py:"
 REQ = AttentionRequirements(platform="cpu", dtype="float32", head_dim=64, modes=("decode",))
-
-
-def _plugin(name: str, **hooks) -> types.SimpleNamespace:
-    plugin = types.SimpleNamespace(__name__=name)
-    for hook, fn in hooks.items():
-        fn.__name__ = hook
-        setattr(plugin, hook, hookimpl(fn))
-    return plugin
 
 
 @pytest.fixture(autouse=True)
