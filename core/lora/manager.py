@@ -35,7 +35,7 @@ from backplane.contracts.lora import LoraBackendContext
 from backplane.contracts.lora_batch import LoraBatchInfo, LoraSegments
 from backplane.lora.layers import LoraLinear, LoraRuntime, full_projection_shape, wrap_model
 from backplane.lora.pool import SlotPool
-from backplane.plugin.runtime import build
+from backplane.plugin.runtime import build_first
 from backplane.plugin.selection import LoraRequirements, select_lora_backend
 
 if TYPE_CHECKING:
@@ -86,9 +86,11 @@ class LoraManager:
         self.max_loras_per_batch = args.max_loras_per_batch
         self.num_slots = self.max_loras_per_batch + 1
         requirements = LoraRequirements(ctx.device.type, dtype_name(ctx.dtype), self.max_rank)
-        self.selection = select_lora_backend(ctx.registry, args.lora_backend, requirements)
-        self.backend_ctx = self._backend_context(ctx)
-        self.backend = build(self.selection, self.backend_ctx, kind="lora")  # failures: one line naming the plugin
+        selection = select_lora_backend(ctx.registry, args.lora_backend, requirements)
+        # failures are one line naming the plugin; under auto the next usable backend is built instead
+        self.backend, self.selection = build_first(selection, lambda choice: self._backend_context(ctx, choice),
+                                                   kind="lora")
+        self.backend_ctx = self._backend_context(ctx, self.selection)
         self.runtime = LoraRuntime(self.backend, ctx.model_ctx.forward_slot)
         self.layers: list[LoraLinear] = wrap_model(ctx.model, self.runtime, self.num_slots, self.max_rank)
         self.adapters = self._load_adapters(ctx.dtype)
@@ -105,10 +107,10 @@ class LoraManager:
 
     # -- construction ---------------------------------------------------------------------------
 
-    def _backend_context(self, ctx: LoraContext) -> LoraBackendContext:
+    def _backend_context(self, ctx: LoraContext, choice: Any) -> LoraBackendContext:
         args = ctx.args
         per_request = args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-        group = ctx.registry.options_group(self.selection.plugin)
+        group = ctx.registry.options_group(choice.plugin)
         return LoraBackendContext(
             device=ctx.device, dtype=ctx.dtype, max_loras_per_batch=self.max_loras_per_batch,
             max_lora_rank=self.max_rank, max_bs=ctx.max_bs,

@@ -66,3 +66,28 @@ def test_the_cli_prints_one_line_and_exits_2(monkeypatch, capsys):
     assert code == 2, err
     assert err.startswith("backplane: error: plugin 'shiny_plugin': attention backend 'shiny': factory raised")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def _lora_plugin():
+    from backplane import LoraBackendSpec
+
+    def register(register):
+        register(LoraBackendSpec(name="shiny-lora", factory=_broken_factory, description="broken on purpose",
+                                 platforms=("cpu",), dtypes=("float32",), priority=1000))
+
+    register.__name__ = "backplane_register_lora_backends"
+    return types.SimpleNamespace(__name__="shiny_lora_plugin", backplane_register_lora_backends=hookimpl(register))
+
+
+def test_lora_auto_builds_the_next_candidate(tmp_path, caplog):
+    from lora_helpers import make_lora_world
+
+    world = make_lora_world(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="backplane.plugin.runtime"):
+        engine = Engine(str(world.base_dir), device="cpu", dtype="float32", max_total_tokens=512,
+                        lora_paths=world.lora_paths(), plugins=[_lora_plugin()])
+    assert engine.lora_manager.selection.spec.name != "shiny-lora"
+    assert "after shiny-lora failed to build" in engine.lora_manager.selection.reason
+    assert any("plugin 'shiny_lora_plugin'" in r.message for r in caplog.records)
+    out = engine.generate(input_ids=[[5, 6, 7]], lora=["all7_r4"])[0]
+    assert out.error is None
