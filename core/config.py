@@ -105,6 +105,31 @@ def resolve_runtime(args: Any, device: Any) -> RuntimeConfig:
     return config
 
 
+@dataclass(frozen=True)
+class GraphConfig:
+    """What the graph runner reads (the --cuda-graph-* and torch.compile flags, and the verify
+    graphs' tokens per request); named as the flags, so graph_sizes' functions take it or EngineArgs."""
+
+    cuda_graph_bs: tuple[int, ...] | None
+    cuda_graph_max_bs: int
+    disable_cuda_graph_padding: bool
+    enable_torch_compile: bool
+    torch_compile_max_bs: int
+    speculative_num_draft_tokens: int
+    mem_fraction_static: float  # named in a capture failure's remedies
+
+
+def resolve_graphs(args: Any) -> GraphConfig:
+    """The graph runner's settings of `args` (EngineArgs)."""
+    return GraphConfig(
+        cuda_graph_bs=tuple(args.cuda_graph_bs) if args.cuda_graph_bs else None,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph_padding=args.disable_cuda_graph_padding,
+        enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+    )
+
+
 def resolve_pool(args: Any, device_type: str) -> PoolConfig:
     """The request pool's rows (the running-request limit) and the positions past the context a
     speculative verify writes (its draft tokens; none without speculation)."""

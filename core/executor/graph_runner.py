@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
     from backplane.contracts.protocols import GraphContributor
     from backplane.plugin.selection import Selection
-    from backplane.settings import EngineArgs
+    from backplane.config import GraphConfig
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class GraphRunnerContext:
     model, model_ctx: the model whose forward is captured and its context (each capture binds a
     ForwardContext on it); attn_backend: the backend the graphs' attention runs (graph state, capture and replay
     metadata); attention: the decode backend's selection (its seq_len fill value for padded
-    requests; named when a capture fails); args: the graph settings (--cuda-graph-*, torch.compile,
+    requests; named when a capture fails); config: the graph settings (--cuda-graph-*, torch.compile,
     the draft-token count); contributors: the runner's graph contributors, which key every graph
     and bind their state for capture and replay.
     """
@@ -196,7 +196,7 @@ class GraphRunnerContext:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
     device: torch.device
-    args: EngineArgs
+    config: GraphConfig
     contributors: tuple[GraphContributor, ...] = ()
 
 
@@ -213,9 +213,9 @@ class GraphRunner:
         self.backend = ctx.attn_backend
         self.fill = ctx.attention.spec.seq_len_fill_value
         self.pad_row = ctx.req_to_token_pool.size - 1
-        self.sizes, self.compile_sizes = capture_batch_sizes(ctx.args, self.pad_row)
+        self.sizes, self.compile_sizes = capture_batch_sizes(ctx.config, self.pad_row)
         self.modes = modes
-        self.tokens_per_request = {m: tokens_per_request(ctx.args, m) for m in modes}
+        self.tokens_per_request = {m: tokens_per_request(ctx.config, m) for m in modes}
         self.extras_variants = extras_variants or combine_variants([c.graph_variants() for c in ctx.contributors])
         max_bs = max(self.sizes)
         max_tokens = max_bs * max(self.tokens_per_request.values())
@@ -308,10 +308,10 @@ class GraphRunner:
 
     def _failure_message(self, key: GraphKey, exc: Exception) -> str:
         choice = self.ctx.attention
-        args = self.ctx.args
-        remedies = [f"lower --cuda-graph-max-bs (now {args.cuda_graph_max_bs})",
-                    f"lower --mem-fraction-static (now {args.mem_fraction_static})", "--disable-cuda-graph"]
-        if args.enable_torch_compile:
+        config = self.ctx.config
+        remedies = [f"lower --cuda-graph-max-bs (now {config.cuda_graph_max_bs})",
+                    f"lower --mem-fraction-static (now {config.mem_fraction_static})", "--disable-cuda-graph"]
+        if config.enable_torch_compile:
             remedies.append("drop --enable-torch-compile")
         return (f"CUDA graph capture failed at batch size {key.batch_size} ({key.mode.value}, attention "
                 f"backend {choice.spec.name!r} of plugin {choice.plugin!r}): {type(exc).__name__}: {exc}. "
@@ -343,7 +343,7 @@ class GraphRunner:
         tpr = self.tokens_per_request[batch.forward_mode]
         if batch.num_tokens != batch.batch_size * tpr:
             return None
-        bs = padded_size(batch.batch_size, self.sizes, allow_padding=not self.ctx.args.disable_cuda_graph_padding)
+        bs = padded_size(batch.batch_size, self.sizes, allow_padding=not self.ctx.config.disable_cuda_graph_padding)
         if bs is None:
             return None
         key = GraphKey(batch.forward_mode, bs, tpr, self.key_extras(batch))

@@ -13,7 +13,7 @@ import torch
 
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
 from backplane.attention.hybrid import HybridAttnBackend
-from backplane.config import PoolConfig, resolve_pool
+from backplane.config import PoolConfig, resolve_graphs, resolve_pool
 from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.contracts.forward_context import ForwardContext
 from backplane.executor.compiled import compiles_batch
@@ -196,7 +196,7 @@ class ModelRunner:
         return GraphRunnerContext(
             model=self.model, model_ctx=self.model_ctx, attn_backend=self.attn_backend,
             attention=self.attn_choices["decode"], req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool=self.token_to_kv_pool, device=self.device, args=self.args,
+            token_to_kv_pool=self.token_to_kv_pool, device=self.device, config=resolve_graphs(self.args),
             contributors=tuple(self.contributors),
         )
 

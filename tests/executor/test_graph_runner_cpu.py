@@ -80,7 +80,7 @@ def test_without_padding_only_exact_sizes_replay(padding):
     assert got == ([1, 32, 40, 64, 104, 128] if padding else [1, 32, None, 64, None, 128])
     # The runner asks for exact sizes under the flag: a batch of 33 has no graph and runs eagerly.
     runner = GraphRunner.__new__(GraphRunner)
-    runner.ctx = SimpleNamespace(args=flags(disable_cuda_graph_padding=not padding), contributors=())
+    runner.ctx = SimpleNamespace(config=flags(disable_cuda_graph_padding=not padding), contributors=())
     runner.modes, runner.tokens_per_request, runner.sizes = [ForwardMode.DECODE], {ForwardMode.DECODE: 1}, sizes
     runner.graphs = {GraphKey(ForwardMode.DECODE, bs, 1): None for bs in sizes}
     batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=33, num_tokens=33)
@@ -161,3 +161,17 @@ def test_logits_written_into_a_caller_buffer(softcap):
     assert torch.isnan(buffer[5:]).all()  # rows past the batch untouched
     with pytest.raises(ValueError, match="logits_out: expected an fp32 buffer of at least 5 rows of 37"):
         proc(hidden, head, batch, out=torch.zeros(4, 37))
+
+
+def test_the_graph_runner_reads_a_graph_config_resolved_once():
+    """GraphConfig carries exactly the settings the graph runner and graph_sizes read, by their flag
+    names, so the runner never sees the whole EngineArgs."""
+    from backplane.config import GraphConfig, resolve_graphs
+    from backplane.settings import EngineArgs
+
+    args = EngineArgs(model="tiny-llama", cuda_graph_bs=[1, 3], enable_torch_compile=True, torch_compile_max_bs=2)
+    config = resolve_graphs(args)
+    assert isinstance(config, GraphConfig) and config.cuda_graph_bs == (1, 3)
+    assert capture_batch_sizes(config, 8) == capture_batch_sizes(args, 8) == ([1, 3], [1])
+    engine = Engine("tiny-llama", device="cpu")
+    assert isinstance(engine.runner.graph_context().config, GraphConfig)
