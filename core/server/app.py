@@ -27,6 +27,7 @@ from backplane.server.metrics import ServerMetrics
 from backplane.server.openai_format import ChatFormatter, CompletionFormatter
 from backplane.server.protocol import ChatRequest, CompletionRequest, chat_messages, parse, sampling_params
 from backplane.server.settings import ServeArgs
+from backplane.engine.client import StreamingEngineClient
 
 logger = logging.getLogger(__name__)
 # One line per request (status and time to the response's headers); launch.py turns it on (--access-log).
@@ -39,7 +40,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 class ServerState:
     """What the routes share: the engine, served names, chat template, metrics, the draining flag."""
 
-    def __init__(self, engine: Any, serve_args: ServeArgs):
+    def __init__(self, engine: StreamingEngineClient, serve_args: ServeArgs):
         self.engine = engine
         self.args = serve_args
         self.model_name = serve_args.served_model_name or engine.args.model
@@ -165,7 +166,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(state, request, body, [prompt], max_tokens, formatter)
 
 
-def stop_engine(engine: Any) -> None:
+def stop_engine(engine: StreamingEngineClient) -> None:
     """Stop the engine; an engine process (its requests already finished or aborted) gets
     ENGINE_STOP_S to exit before it is killed, so the server's exit stays bounded."""
     if engine.pid != os.getpid():
@@ -174,8 +175,12 @@ def stop_engine(engine: Any) -> None:
         engine.shutdown()
 
 
-def build_app(engine: Any, serve_args: ServeArgs | None = None) -> FastAPI:
-    """The ASGI app over a running AsyncEngine or ProcessEngine; `app.state.server` is its ServerState."""
+def build_app(engine: StreamingEngineClient, serve_args: ServeArgs | None = None) -> FastAPI:
+    """The ASGI app over a running AsyncEngine or ProcessEngine (any StreamingEngineClient);
+    `app.state.server` is its ServerState."""
+    if not isinstance(engine, StreamingEngineClient):
+        raise TypeError(f"build_app: expected a StreamingEngineClient (an AsyncEngine or ProcessEngine; "
+                        f"backplane.engine.client), got {type(engine).__name__}")
     state = ServerState(engine, serve_args or ServeArgs())
 
     @contextlib.asynccontextmanager

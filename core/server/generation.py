@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from backplane.engine.async_engine import EngineDeadError, QueueFullError, RequestRejected
+from backplane.engine.client import StreamingEngineClient
 from backplane.server.errors import ApiError, error_body
 from backplane.server.openai_format import Choice, Formatter, sse
 
@@ -45,7 +46,7 @@ class Generation:
     timers: list[Any]
 
 
-async def submit(engine: Any, metrics: Any, prompts: list[list[int]], params: list[list[Any]], lora: str | None,
+async def submit(engine: StreamingEngineClient, metrics: Any, prompts: list[list[int]], params: list[list[Any]], lora: str | None,
            formatter: Formatter, n: int, include_usage: bool, return_prompt: bool) -> Generation:
     """Start every output; map the engine's refusals to 400 / 503."""
     flat = [(ids, p) for ids, ps in zip(prompts, params) for p in ps]
