@@ -1,122 +1,41 @@
 """ModelRunner: builds the model, pools, custom ops and attention backend(s) from EngineArgs
-through the registry, and runs one forward pass (eagerly, or through the graph runner)."""
+through the registry, in that order, and runs one forward pass (eagerly, or through the graph runner).
+
+What it runs on (device, dtype, model source, memory, pool sizes) is resolved in
+backplane.executor.resources and the attention backends are chosen in backplane.executor.attention_setup;
+the names of the first stay importable from here."""
 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backplane.contracts.attention import AttentionBackend, AttentionBackendContext
-from backplane.attention.hybrid import HybridAttnBackend
 from backplane.config import PoolConfig, resolve_graphs, resolve_pool
 from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.contracts.forward_context import ForwardContext
-from backplane.executor.compiled import compiles_batch
+from backplane.contracts.model import ModelOutput
 from backplane.contracts.protocols import ForwardRouter, GraphContributor
+from backplane.executor.attention_setup import AttentionSetup
+from backplane.executor.compiled import compiles_batch
+from backplane.executor.resources import (  # noqa: F401  (re-exported: their import path before the split)
+    CPU_KV_BUDGET_BYTES, ModelSource, available_memory, build_pools, check_pool_memory, context_length, dtype_name,
+    resolve_device, resolve_dtype, resolve_model_source,
+)
 from backplane.layers.attention import Attention
 from backplane.layers.parallel import ParallelContext
-from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
-from backplane.contracts.model import ModelOutput
 from backplane.models.base import ModelContext
 from backplane.ops.dispatch import resolve_custom_ops
 from backplane.plugin.manager import PluginSet
-from backplane.plugin.runtime import build, build_first
-from backplane.plugin.selection import AttentionRequirements, Selection, select_attention_backend
+from backplane.plugin.runtime import build
+from backplane.plugin.selection import AttentionRequirements
 from backplane.settings import EngineArgs
 
 if TYPE_CHECKING:
     from backplane.executor.graph_runner import GraphRunnerContext
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_BUDGET_BYTES = 2 << 30
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(args: EngineArgs) -> torch.device:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu or auto")
-    if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(args.device)
-
-
-def resolve_dtype(args: EngineArgs, device: torch.device) -> torch.dtype:
-    if args.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[args.dtype]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, value in _DTYPES.items() if value is dtype)
-
-
-@dataclass
-class ModelSource:
-    """Where the model comes from: a preset (dummy weights) or a local Hugging Face directory."""
-
-    hf_config: Any
-    load_format: str
-    path: Path | None
-
-
-def resolve_model_source(args: EngineArgs) -> ModelSource:
-    from backplane.models.loader import load_hf_config
-    from backplane.models.presets import PRESETS, get_preset
-
-    path = Path(args.model).expanduser()
-    if path.is_dir():
-        load_format = "safetensors" if args.load_format == "auto" else args.load_format
-        return ModelSource(load_hf_config(path), load_format, path)
-    if args.model in PRESETS:
-        if args.load_format == "safetensors":
-            raise ValueError(f"--model {args.model}: a preset has no weight files; use --load-format dummy or auto")
-        return ModelSource(get_preset(args.model), "dummy", None)
-    raise ValueError(
-        f"--model {args.model!r}: expected a local Hugging Face model directory or a preset name; "
-        f"presets: {', '.join(sorted(PRESETS))}"
-    )
-
-
-def context_length(args: EngineArgs, hf_config: Any) -> int:
-    """--context-length, or the model's max_position_embeddings; never beyond it (positions past
-    it have no rotary embedding)."""
-    limit = int(hf_config.max_position_embeddings)
-    if args.context_length is not None and args.context_length > limit:
-        raise ValueError(f"--context-length {args.context_length}: expected at most the model's "
-                         f"max_position_embeddings {limit}; positions past it have no rotary embedding")
-    return args.context_length or limit
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on `device`: free device memory, or the host's available RAM."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_pool_memory(device: torch.device, pools: list[tuple[str, int, int, str]]) -> None:
-    """Refuse pools that cannot be allocated: (flag, value, bytes, what) each, against free memory."""
-    free = available_memory(device)
-    for flag, value, size, what in pools:
-        if size > free:
-            most = max(value * free // max(size, 1), 0)
-            raise ValueError(f"{flag} {value}: {value} {what} need {_gib(size)} of {device.type} memory but "
-                             f"{_gib(free)} is free; expected at most about {most}")
-
-
-def _gib(size: int) -> str:
-    return f"{size / 2**30:,.1f} GiB"
 
 
 class ModelRunner:
@@ -151,8 +70,10 @@ class ModelRunner:
         self.model = self._build_model()
         self.layer_infos = [m.info for m in self.model.modules() if isinstance(m, Attention)]
         self.context_len = context_length(args, self.hf_config)
-        self.req_to_token_pool, self.token_to_kv_pool = self._init_pools()
-        self.attn_backend, self.attn_choices = self._init_attention()
+        self.req_to_token_pool, self.token_to_kv_pool = build_pools(
+            args, self.pool_config, self.layer_infos, context_len=self.context_len, device=self.device,
+            dtype=self.dtype, parallel=self.parallel)
+        self.attn_backend, self.attn_choices = self._attention_setup().build()
         self.model_ctx.attn_backend = self.attn_backend  # the model's backend, set once
         self.router = router
         self.contributors: list[GraphContributor] = []
@@ -255,76 +176,13 @@ class ModelRunner:
             model.load_weights(iterate_safetensors(self.source.path))
         return model.eval()
 
-    def _init_pools(self) -> tuple[ReqToTokenPool, TokenToKVPool]:
-        info = self.layer_infos[0]
-        per_token = TokenToKVPool.bytes_per_token(len(self.layer_infos), info.num_kv_heads, info.head_dim, self.dtype)
-        num_slots = self.args.max_total_tokens or self._profile_num_slots(per_token)
-        if num_slots < 2:
-            if self.args.max_total_tokens:
-                raise ValueError(f"--max-total-tokens {num_slots}: expected at least 2 (slot 0 of the KV pool "
-                                 "is the padding slot, so 1 leaves no room for any token)")
-            raise ValueError(
-                f"--mem-fraction-static {self.args.mem_fraction_static}: leaves room for {num_slots} KV "
-                "tokens after the weights; raise it or pass --max-total-tokens"
-            )
-        req_rows = self.pool_config.req_rows
-        max_ctx = min(self.context_len, num_slots) + self.pool_config.spec_room  # + a verify's draft tokens
-        check_pool_memory(self.device, [
-            ("--max-total-tokens", num_slots, num_slots * per_token, "KV tokens"),
-            ("--max-running-requests", req_rows, (req_rows + 1) * max_ctx * 4, "request rows"),
-        ])
-        req_pool = ReqToTokenPool(req_rows + 1, max_ctx, self.device)  # + one row for graph padding
-        kv_pool = TokenToKVPool(num_slots, len(self.layer_infos), info.num_kv_heads, info.head_dim,
-                                self.dtype, self.device)
-        logger.info("KV pool: %d tokens (%.1f MB), %d request rows", num_slots,
-                    num_slots * per_token / 2**20, req_rows)
-        return req_pool, kv_pool
-
-    def _profile_num_slots(self, per_token: int) -> int:
-        if self.device.type != "cuda":
-            return max(2, min(CPU_KV_BUDGET_BYTES // per_token, 1 << 17))
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.args.mem_fraction_static - (total - free)
-        # Rank 0 allocates slots for every rank: all pools get the size of the smallest.
-        return self.parallel.min_over_ranks(int(budget // per_token))
-
     def attention_requirements(self, modes: tuple[str, ...]) -> AttentionRequirements:
-        info = self.layer_infos[0]
-        return AttentionRequirements(
-            platform=self.device.type, dtype=dtype_name(self.dtype), head_dim=info.head_dim, modes=modes,
-            sliding_window=any(i.sliding_window > 0 for i in self.layer_infos),
-            logit_softcap=any(i.logit_softcap > 0 for i in self.layer_infos),
-            custom_mask="target_verify" in modes,
-        )
+        """What an attention backend serving `modes` must support for this model, device and dtype."""
+        return self._attention_setup().requirements(modes)
 
-    def _init_attention(self) -> tuple[AttentionBackend, dict[str, Selection]]:
-        spec_modes = ("target_verify", "draft_extend") if self.args.speculative_algorithm else ()
-        prefill_name = self.args.prefill_attention_backend or self.args.attention_backend
-        decode_name = self.args.decode_attention_backend or self.args.attention_backend
-        prefill_flag = "--prefill-attention-backend" if self.args.prefill_attention_backend else "--attention-backend"
-        decode_flag = "--decode-attention-backend" if self.args.decode_attention_backend else "--attention-backend"
-        choices = {
-            "prefill": select_attention_backend(self.registry, prefill_name,
-                                                self.attention_requirements(("extend", *spec_modes)), prefill_flag),
-            "decode": select_attention_backend(self.registry, decode_name,
-                                               self.attention_requirements(("decode",)), decode_flag),
-        }
-        prefill, choices["prefill"] = build_first(choices["prefill"], self._backend_context, kind="attention")
-        same = choices["decode"].spec is choices["prefill"].spec
-        decode, choices["decode"] = ((prefill, choices["prefill"]) if same else
-                                     build_first(choices["decode"], self._backend_context, kind="attention"))
-        return (prefill if same else HybridAttnBackend(prefill, decode)), choices
-
-    def _backend_context(self, choice: Selection) -> AttentionBackendContext:
-        info = self.layer_infos[0]
-        group = self.registry.options_group(choice.plugin)
-        return AttentionBackendContext(
-            num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-            num_layers=len(self.layer_infos), dtype=self.dtype, device=self.device,
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
-            max_context_len=self.req_to_token_pool.max_context_len,
-            options=self.args.options_for(group) if group else None, server_args=self.args,
-        )
+    def _attention_setup(self) -> AttentionSetup:
+        return AttentionSetup(self.args, self.registry, self.layer_infos, self.device, self.dtype,
+                              self.req_to_token_pool, self.token_to_kv_pool)
 
     # -- running --------------------------------------------------------------------------------
 
