@@ -1,5 +1,6 @@
-"""ModelRunner: builds the model, pools, custom ops and attention backend(s) from EngineArgs
-through the registry, in that order, and runs one forward pass (eagerly, or through the graph runner).
+"""ModelRunner: builds the custom ops, the model, the pools and the attention backend(s) from
+EngineArgs through the registry, in that order, and runs one forward pass (eagerly, or through the
+graph runner).
 
 What it runs on (device, dtype, model source, memory, pool sizes) is resolved in
 backplane.executor.resources and the attention backends are chosen in backplane.executor.attention_setup;
