@@ -29,6 +29,17 @@ def check_stop(req: Req, eos_token_ids: set[int], detokenize: Callable[[list[int
     return req.finished
 
 
+def append_tokens(req: Req, tokens: list[int], logprobs: list[float], eos_token_ids: set[int],
+                  detokenize: Callable[[list[int]], str]) -> bool:
+    """Append a step's new tokens (one, or several accepted drafts) and their log-probabilities to
+    `req` until it stops; whether it stopped (the tokens after the stopping one are dropped)."""
+    for token, logprob in zip(tokens, logprobs):
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        if check_stop(req, eos_token_ids, detokenize):
+            return True
+    return False
+
 class StopStrings:
     """One request's stop strings, grouped by length for the tail lookup."""
 

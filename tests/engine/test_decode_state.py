@@ -131,7 +131,7 @@ def test_row_change_under_same_requests_rebuilds():
     rebuilt, reused = state.num_rebuilt, state.num_reused
     victim = sched.running[-1]
     old_row, num_cached = victim.row, victim.num_cached
-    sched._preempt(victim, keep=False)
+    sched.queues.preempt(victim, keep=False)
     taken = engine.runner.req_to_token_pool.alloc()  # the freed row: the victim comes back in another
     sched.step()  # re-prefill (no token sampled: the request has output already)
     engine.runner.req_to_token_pool.free(taken)

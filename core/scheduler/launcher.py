@@ -1,0 +1,106 @@
+"""Running the batch the scheduler chose: build it, let the participants describe it, forward it
+(through the speculative worker when there is one), sample on the device and start the copy of
+the tokens to the host (a `LaunchedStep`, read by the scheduler one step later under overlap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backplane.contracts.batch import ForwardBatch
+from backplane.contracts.protocols import SchedulerParticipant
+from backplane.layers.sampler import sample
+from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
+from backplane.scheduler.decode_state import DecodeState
+from backplane.scheduler.overlap import FutureTokens, LaunchedStep
+from backplane.scheduler.request import Req
+from backplane.scheduler.sampling_state import SamplingCache
+
+
+class BatchLauncher:
+    """Forwards and samples prefill and decode batches over one model runner's pools.
+
+    participants describe every batch before it runs (`prepare_batch(batch, reqs)`); spec_worker,
+    if any, replaces the plain decode step; future (overlap only) keeps each step's sampled tokens
+    on the device for the next step's inputs; generator: the shared sampling generator (requests
+    with a seed bring their own).
+    """
+
+    def __init__(self, runner, participants: list[SchedulerParticipant], *, spec_worker: Any = None,
+                 future: FutureTokens | None = None, generator: torch.Generator):
+        self.runner = runner
+        self.kv_pool = runner.token_to_kv_pool
+        self.req_pool = runner.req_to_token_pool
+        self.participants = participants
+        self.spec_worker = spec_worker
+        self.future = future
+        self.generator = generator
+        self.sampling = SamplingCache()
+        # Plain decode batches: advanced in place while the same requests decode step after step.
+        self.decode_state = DecodeState(self.kv_pool, self.req_pool, future)
+
+    def forward_prefill(self, reqs: list[Req], chunks: list[int]) -> torch.Tensor:
+        """Prefill the next `chunks[i]` tokens of each request (advancing its num_cached); the
+        logits [len(reqs), vocab] of each request's last token in the batch."""
+        batch = self._prepare(build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool), reqs)
+        for req, n in zip(reqs, chunks):
+            req.num_cached += n
+        if self.spec_worker is not None:  # EAGLE keeps the target's hidden states of the prompt
+            return self.spec_worker.forward_prefill(batch, reqs, chunks).logits
+        return self.runner.forward(batch).logits
+
+    def sample_prefilled(self, reqs: list[Req], logits: torch.Tensor) -> LaunchedStep | None:
+        """Sample the requests whose whole prompt (and output so far) is now cached; None if none is."""
+        completes = [req.num_cached == req.num_tokens for req in reqs]
+        done = [req for req, c in zip(reqs, completes) if c]
+        if not done:
+            return None
+        if len(done) < len(reqs):
+            rows = torch.tensor([i for i, c in enumerate(completes) if c]).to(logits.device, non_blocking=True)
+            logits = logits.index_select(0, rows)
+        tokens, logprobs = sample(logits, self.sampling.get(done, logits.device), self.generator)
+        return self._launch(done, tokens, logprobs)
+
+    def decode(self, reqs: list[Req]) -> LaunchedStep:
+        """One decode step of `reqs`: a token each (several accepted drafts under speculation)."""
+        if self.spec_worker is not None:
+            return self._decode_speculative(reqs)
+        batch = self._prepare(self.decode_state.build(reqs), reqs)
+        for req in reqs:
+            req.num_cached += 1
+        logits = self.runner.forward(batch).logits
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.generator)
+        self.decode_state.commit(reqs, tokens)
+        return self._launch(reqs, tokens, logprobs)
+
+    def _decode_speculative(self, reqs: list[Req]) -> LaunchedStep:
+        """A speculative step; a request whose drafts would pass the context end decodes one
+        token plainly instead (its greedy tokens are the same, so output is unchanged)."""
+        fits = [r for r in reqs if self.spec_worker.fits_context(r)]
+        near_end = [r for r in reqs if not self.spec_worker.fits_context(r)]
+        new = self.spec_worker.decode(fits) if fits else []
+        if near_end:
+            batch = self._prepare(build_decode_batch(near_end, self.kv_pool, self.req_pool), near_end)
+            for req in near_end:
+                req.num_cached += 1
+            tokens, logprobs = self.sample(near_end, self.runner.forward(batch).logits)
+            new += [([t], [lp]) for t, lp in zip(tokens, logprobs)]
+        return LaunchedStep.known_tokens(fits + near_end, new)
+
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Next token and its log-probability for each request, from logits [len(reqs), vocab]."""
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.generator)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _prepare(self, batch: ForwardBatch, reqs: list[Req]) -> ForwardBatch:
+        for p in self.participants:
+            p.prepare_batch(batch, reqs)
+        return batch
+
+    def _launch(self, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
+        """Start the copy of sampled tokens [len(reqs)] to the host; under overlap keep them on the device too."""
+        if self.future is not None:
+            self.future.store(reqs, tokens)
+        return LaunchedStep.launch(reqs, tokens, logprobs)
