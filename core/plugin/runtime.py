@@ -7,7 +7,7 @@ PluginRuntimeError naming the plugin, the kind, the name and the plugin's file:l
 it as one line with exit code 2. Under `auto`, `build_first` tries the next usable candidate and
 logs why:
 
-    backend, choice = build_first(choice, self._backend_context, kind="attention")
+    backend, choice = build_first(choice, setup.backend_context, kind="attention")  # executor.attention_setup
 """
 
 from __future__ import annotations
