@@ -2,9 +2,9 @@
 
 `refusal` turns away at once a request that could never run (an empty prompt, one longer than the
 context or the whole KV pool, a token outside the vocabulary), so it never waits for room that will
-not come. `PrefillAdder` chooses one step's prefill batch: running requests still mid-prompt first,
-then waiting ones (longest cached prefix first with a prefix cache), each prefilling as much of its
-prompt as the step's limits leave. `ready_for_decode` picks the running requests a decode step
+not come. `admit_prefill` chooses one step's prefill batch with a `PrefillAdder`: running requests
+still mid-prompt first, then waiting ones (longest cached prefix first with a prefix cache), each
+prefilling as much of its prompt as the step's limits leave; the new ones get a request row. `ready_for_decode` picks the running requests a decode step
 may run.
 """
 
@@ -15,6 +15,7 @@ from typing import Sequence
 from backplane.contracts.protocols import SchedulerParticipant
 from backplane.scheduler.overlap import LaunchedStep
 from backplane.scheduler.prefix_cache import PrefixCache
+from backplane.scheduler.queues import RequestQueues
 from backplane.scheduler.radix import RadixTree
 from backplane.scheduler.request import Req
 
@@ -40,6 +41,23 @@ def refusal(req: Req, *, context_len: int, num_kv_slots: int, spare_slots: int, 
         return f"request {req.rid}: token id {bad} is outside the vocabulary; expected ids in [0, {vocab_size})"
     return None
 
+
+def admit_prefill(queues: RequestQueues, participants: Sequence[SchedulerParticipant], *, token_budget: int,
+                  max_running: int, decode_slots_per_request: int) -> tuple[list[Req], list[int]] | None:
+    """This step's prefill batch (the requests, and the tokens each prefills), its new requests
+    admitted and the KV room for it made; None when nothing can prefill (limits: `PrefillAdder`)."""
+    cache = queues.prefix_cache
+    adder = PrefillAdder(cache, queues.running, participants, token_budget=token_budget, max_running=max_running,
+                         decode_slots_per_request=decode_slots_per_request, isolated=queues.isolated)
+    waiting = cache.admission_order(queues.waiting) if adder.may_admit() else list(queues.waiting)
+    for req in [r for r in queues.running if r.needs_prefill] + waiting:
+        if not adder.add(req):
+            break
+    if not adder.reqs:
+        return None
+    cache.make_room(sum(adder.chunks))
+    queues.admit(adder.new)
+    return adder.reqs, adder.chunks
 
 class PrefillAdder:
     """One step's prefill batch, chosen request by request (`add`); `reqs` and `chunks` (the

@@ -19,7 +19,7 @@ import torch
 
 from backplane.config import SchedulerConfig
 from backplane.contracts.protocols import SchedulerParticipant
-from backplane.scheduler.admission import PrefillAdder, ready_for_decode, refusal
+from backplane.scheduler.admission import admit_prefill, ready_for_decode, refusal
 from backplane.scheduler.launcher import BatchLauncher
 from backplane.scheduler.overlap import FutureTokens, LaunchedStep
 from backplane.scheduler.prefix_cache import PrefixCache
@@ -151,30 +151,24 @@ class Scheduler:
     def launch_step(self) -> LaunchedStep | None:
         """Schedule and launch one batch; None when nothing ran or nothing was sampled."""
         self.current = []
-        prefill = self._schedule_prefill()
+        prefill = admit_prefill(self.queues, self.participants, token_budget=self.chunk_size, max_running=self.max_running,
+                                decode_slots_per_request=self.decode_slots_per_request)
         if prefill:
-            self.current = prefill.reqs
-            logits = self.launcher.forward_prefill(prefill.reqs, prefill.chunks)
-            for req, n in zip(prefill.reqs, prefill.chunks):
-                self.prefix_cache.cache_prefilled(req, n)
-            return self.launcher.sample_prefilled(prefill.reqs, logits)
+            self.current = prefill[0]
+            return self._run_prefill(*prefill)
         self.current = self._schedule_decode()
-        return self.launcher.decode(self.current) if self.current else None
+        return self._run_decode(self.current) if self.current else None
 
-    def _schedule_prefill(self) -> PrefillAdder | None:
-        """Choose this step's prefill batch (backplane.scheduler.admission) and admit its new requests."""
-        adder = PrefillAdder(self.prefix_cache, self.running, self.participants, token_budget=self.chunk_size,
-                             max_running=self.max_running, decode_slots_per_request=self.decode_slots_per_request,
-                             isolated=self.isolated)
-        waiting = self.prefix_cache.admission_order(self.waiting) if adder.may_admit() else list(self.waiting)
-        for req in [r for r in self.running if r.needs_prefill] + waiting:
-            if not adder.add(req):
-                break
-        if not adder.reqs:
-            return None
-        self.prefix_cache.make_room(sum(adder.chunks))
-        self.queues.admit(adder.new)
-        return adder
+    def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> LaunchedStep | None:
+        """Forward a prefill batch, cache its new KV, and sample the requests whose prompt is done."""
+        logits = self.launcher.forward_prefill(reqs, chunks)
+        for req, n in zip(reqs, chunks):
+            self.prefix_cache.cache_prefilled(req, n)
+        return self.launcher.sample_prefilled(reqs, logits)
+
+    def _run_decode(self, reqs: list[Req]) -> LaunchedStep:
+        """One decode step (tests/gpu/test_overlap_gpu.py wraps it: it must never synchronize)."""
+        return self.launcher.decode(reqs)
 
     def _schedule_decode(self) -> list[Req]:
         """The running requests that decode this step, preempting the newest while KV is short."""

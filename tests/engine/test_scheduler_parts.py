@@ -1,5 +1,5 @@
 """The scheduler's parts on their own, over real CPU pools and no model: admission (`refusal`,
-`PrefillAdder`, `ready_for_decode`), `RequestQueues` (admission, preemption, rollback), `append_tokens`,
+`PrefillAdder`, `admit_prefill`, `ready_for_decode`), `RequestQueues` (admission, preemption, rollback), `append_tokens`,
 and the Scheduler's attributes that its parts own."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from backplane.config import SchedulerConfig
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.scheduler import SamplingParams, Scheduler
-from backplane.scheduler.admission import PrefillAdder, ready_for_decode, refusal
+from backplane.scheduler.admission import PrefillAdder, admit_prefill, ready_for_decode, refusal
 from backplane.scheduler.overlap import LaunchedStep
 from backplane.scheduler.prefix_cache import PrefixCache
 from backplane.scheduler.queues import RequestQueues
@@ -105,6 +105,21 @@ def test_an_isolated_request_only_starts_an_empty_batch_and_runs_alone():
     assert not first.add(waiting(1, 3))  # added, and nothing may follow it
     assert [r.rid for r in first.reqs] == [1]
 
+
+def test_admit_prefill_continues_running_prompts_first_and_gives_new_requests_a_row():
+    cache = make_cache()
+    queues = RequestQueues(cache.req_pool, cache)
+    mid_prompt = Req(9, list(range(1, 11)), PARAMS, row=cache.req_pool.alloc(), num_cached=6)
+    queues.running.append(mid_prompt)
+    queues.waiting.extend([waiting(0, 5), waiting(1, 5)])
+    reqs, chunks = admit_prefill(queues, [], token_budget=8, max_running=3, decode_slots_per_request=1)
+    assert ([r.rid for r in reqs], chunks) == ([9, 0], [4, 4])
+    assert queues.running == [mid_prompt, reqs[1]] and reqs[1].row is not None
+    assert [r.rid for r in queues.waiting] == [1]
+    full = RequestQueues(cache.req_pool, cache)
+    full.waiting.append(waiting(2, 3))
+    assert admit_prefill(full, [], token_budget=8, max_running=0, decode_slots_per_request=1) is None
+    assert list(full.waiting) and not full.running
 
 def test_ready_for_decode_leaves_out_a_request_whose_last_token_is_in_flight():
     last, more, prefilling = decoding(0, 0), decoding(1, 1), Req(2, [1, 2, 3], PARAMS, row=2, num_cached=1)
