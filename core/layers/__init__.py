@@ -1,11 +1,34 @@
-"""Building blocks of the models: tensor-parallel linear layers, embeddings, norms, rotary, attention, logits.
+"""The public model-building API: the layers a model plugin builds its model from.
 
-Public for plugins that build draft models: `Attention` (the per-layer attention module),
-`RMSNorm` and `VocabParallelEmbedding`.
+Every layer takes the model's `ModelContext` (backplane.models) or its `parallel` position, and
+reads the forward now running from it (the attention backend, the custom-op table), so one model
+object serves eager runs, torch.compile and CUDA-graph replay. docs/plugins.md ("Writing a model
+plugin") gives every constructor argument and the shapes of every forward.
+
+- tensor parallelism: `ParallelContext`; `ColumnParallelLinear`, `MergedColumnParallelLinear`,
+  `QKVParallelLinear`, `RowParallelLinear`; `VocabParallelEmbedding`, `ParallelLMHead`
+- `RMSNorm`, `SiluAndMul`, `RotaryEmbedding` (rope scaling: default, linear, llama3)
+- `Attention` (hands q, k, v to the forward's attention backend)
+- `LogitsProcessor` (rows that need logits, fp32, the context's `logits_out`, final soft-cap),
+  `select_logits_rows`
 """
 
+from backplane.layers.activation import SiluAndMul
 from backplane.layers.attention import Attention
-from backplane.layers.embedding import VocabParallelEmbedding
+from backplane.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from backplane.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from backplane.layers.logits import LogitsProcessor, select_logits_rows
 from backplane.layers.norm import RMSNorm
+from backplane.layers.parallel import ParallelContext
+from backplane.layers.rotary import RotaryEmbedding
 
-__all__ = ["Attention", "RMSNorm", "VocabParallelEmbedding"]
+__all__ = [
+    "Attention", "ColumnParallelLinear", "LogitsProcessor", "MergedColumnParallelLinear", "ParallelContext",
+    "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
+    "VocabParallelEmbedding", "select_logits_rows",
+]

@@ -1,7 +1,9 @@
 """The Llama family: Llama, Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm).
 
 Module names follow the Hugging Face checkpoints, except that q/k/v are fused into `qkv_proj` and
-gate/up into `gate_up_proj`; `load_weights` maps the checkpoint names onto them.
+gate/up into `gate_up_proj`; `load_weights` maps the checkpoint names onto them. Built only from the
+public model API (backplane.contracts, backplane.layers, backplane.models), as a third-party model
+plugin would be: tests/plugin/test_import_boundary.py holds it to that.
 """
 
 from __future__ import annotations
@@ -11,19 +13,29 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from backplane.contracts.batch import ForwardBatch
-from backplane.layers.activation import SiluAndMul
-from backplane.layers.attention import Attention
-from backplane.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from backplane.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from backplane.layers.logits import LogitsProcessor
-from backplane.layers.norm import RMSNorm
-from backplane.layers.rotary import RotaryEmbedding
-from backplane.contracts.model import ModelOutput
-from backplane.models.base import ModelContext
-from backplane.models.config_utils import head_dim_of, num_kv_heads_of, rope_settings, sliding_window_of
-from backplane.models.weights import load_named_weights
-
+from backplane.contracts import ForwardBatch
+from backplane.layers import (
+    Attention,
+    LogitsProcessor,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from backplane.models import (
+    ModelContext,
+    ModelOutput,
+    head_dim_of,
+    llama_checkpoint_shapes,
+    load_named_weights,
+    num_kv_heads_of,
+    rope_settings,
+    sliding_window_of,
+)
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, ctx: ModelContext):
@@ -149,8 +161,6 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every tensor of a Hugging Face checkpoint of this model with its full (unsplit) shape."""
-        from backplane.models.weights import llama_checkpoint_shapes
-
         return llama_checkpoint_shapes(self.config, self.qkv_bias, self.qk_norm)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:

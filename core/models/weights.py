@@ -1,8 +1,14 @@
-"""Mapping Hugging Face checkpoint tensors onto fused, rank-local parameters (the Llama family)."""
+"""Mapping Hugging Face checkpoint tensors onto fused, rank-local parameters.
+
+`load_named_weights` serves any model built from backplane.layers: a checkpoint name containing a
+`stacked_params` entry's original part (".q_proj.") loads into the fused parameter (".qkv_proj.")
+through that parameter's `weight_loader(param, tensor, shard_id)`, which keeps this rank's shard.
+The defaults are the Llama family's (q/k/v into qkv_proj, gate/up into gate_up_proj).
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -22,9 +28,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _target(hf_name: str) -> tuple[str, object]:
+def _target(hf_name: str, stacked_params=STACKED_PARAMS) -> tuple[str, object]:
     """(parameter name, shard id or None) for a checkpoint tensor name."""
-    for fused, original, shard_id in STACKED_PARAMS:
+    for fused, original, shard_id in stacked_params:
         if original in hf_name:
             return hf_name.replace(original, fused), shard_id
     return hf_name, None
@@ -77,9 +83,16 @@ def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id, hf_name: str)
 
 
 def load_named_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True,
+    stacked_params: Sequence[tuple[str, str, object]] = STACKED_PARAMS,
+    ignored_suffixes: tuple[str, ...] = IGNORED_SUFFIXES,
 ) -> set[str]:
     """Load (hf_name, full tensor) pairs into `model`; returns the names of the parameters loaded.
+
+    stacked_params: (fused part, checkpoint part, shard id) triples, e.g. (".qkv_proj.", ".q_proj.",
+    "q"): the tensor goes to the fused parameter's `weight_loader` with that shard id. A parameter
+    with a `weight_loader` gets the full tensor and keeps its tensor-parallel shard; one without is
+    copied whole. ignored_suffixes: checkpoint names to skip (rotary inverse frequencies).
 
     Tied embeddings: a checkpoint `lm_head.weight` equal to the embedding is skipped (the embedding
     is used); a different one is a ValueError. strict: an unknown checkpoint name, or a parameter
@@ -93,9 +106,9 @@ def load_named_weights(
     for hf_name, tensor in weights:
         if tied:
             tied_check.see(hf_name, tensor)
-        if hf_name.endswith(IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+        if hf_name.endswith(ignored_suffixes) or (tied and hf_name == "lm_head.weight"):
             continue
-        name, shard_id = _target(hf_name)
+        name, shard_id = _target(hf_name, stacked_params)
         if name not in params:
             if strict:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter in {type(model).__name__}")
