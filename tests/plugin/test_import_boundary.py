@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import backplane
 import backplane.plugins
 from backplane.testing.boundary import PUBLIC_MODULES, check_plugin_imports, import_violation
 
@@ -52,3 +53,27 @@ def test_public_modules_import():
 
     for module in PUBLIC_MODULES:
         importlib.import_module(module)
+
+
+LLAMA = Path(backplane.__file__).parent / "models" / "llama.py"
+
+
+def _as_plugin(tmp_path, source: str) -> Path:
+    """A plugin package holding `source` as its model module, as a third-party model plugin would."""
+    plugin = tmp_path / "llama_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text("")
+    (plugin / "llama.py").write_text(source)
+    return plugin
+
+
+def test_the_bundled_llama_family_builds_only_on_the_public_model_api(tmp_path):
+    plugin = _as_plugin(tmp_path, LLAMA.read_text())
+    assert check_plugin_imports(plugin, "backplane.plugins.llama_plugin") == []
+
+
+def test_a_private_import_planted_in_llama_fails_the_check(tmp_path):
+    planted = "from backplane.layers.rotary import RotaryEmbedding\n" + LLAMA.read_text()
+    problems = check_plugin_imports(_as_plugin(tmp_path, planted), "backplane.plugins.llama_plugin")
+    assert len(problems) == 1 and "private module 'backplane.layers.rotary'" in problems[0], problems
+    assert "llama.py:1: " in problems[0], problems
