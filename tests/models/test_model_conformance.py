@@ -112,3 +112,29 @@ def test_bad_check_names_are_refused(tmp_path):
         model_conformance.make_suite("LlamaForCausalLM", transformers.LlamaConfig, checks=("greedy", "warp"))
     with pytest.raises(ValueError, match="check: expected one of greedy, .* got 'warp'"):
         check_model(None, "warp", 0)
+
+
+def _docs_example(tmp_path):
+    """The worked example of docs/plugins.md ("Writing a model plugin"), imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text()
+    start = doc.index("```python\n# my_models/__init__.py") + len("```python\n")
+    path = tmp_path / "my_models.py"
+    path.write_text(doc[start: doc.index("```\n", start)])
+    spec = importlib.util.spec_from_file_location("my_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+@pytest.mark.parametrize("seed, check", [(0, "greedy"), (1, "greedy"), (0, "chunked_prefill")])
+def test_the_docs_example_model_plugin_passes_the_suite(seed, check, tmp_path):
+    from backplane.testing.boundary import check_plugin_imports
+
+    module, path = _docs_example(tmp_path)
+    assert check_plugin_imports(path.parent, "my_models") == []
+    reference = save_reference("MyForCausalLM", transformers.LlamaConfig, seed, tmp_path / "model",
+                               {"rope_scaling": LLAMA3_ROPE})
+    check_model(reference, check, seed, plugins=[module])
