@@ -7,13 +7,13 @@ plugin") gives every constructor argument and the shapes of every forward.
 
 - tensor parallelism: `ParallelContext`; `ColumnParallelLinear`, `MergedColumnParallelLinear`,
   `QKVParallelLinear`, `RowParallelLinear`; `VocabParallelEmbedding`, `ParallelLMHead`
-- `RMSNorm`, `SiluAndMul`, `RotaryEmbedding` (rope scaling: default, linear, llama3)
+- `RMSNorm`, `SiluAndMul`, `GeluAndMul` (GeGLU, exact or tanh), `RotaryEmbedding` (rope scaling: default, linear, llama3)
 - `Attention` (hands q, k, v to the forward's attention backend)
 - `LogitsProcessor` (rows that need logits, fp32, the context's `logits_out`, final soft-cap),
   `select_logits_rows`
 """
 
-from backplane.layers.activation import SiluAndMul
+from backplane.layers.activation import GeluAndMul, SiluAndMul
 from backplane.layers.attention import Attention
 from backplane.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from backplane.layers.linear import (
@@ -28,7 +28,7 @@ from backplane.layers.parallel import ParallelContext
 from backplane.layers.rotary import RotaryEmbedding
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "LogitsProcessor", "MergedColumnParallelLinear", "ParallelContext",
+    "Attention", "ColumnParallelLinear", "GeluAndMul", "LogitsProcessor", "MergedColumnParallelLinear", "ParallelContext",
     "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
     "VocabParallelEmbedding", "select_logits_rows",
 ]
