@@ -16,17 +16,27 @@ def num_kv_heads_of(config) -> int:
 def rope_settings(config) -> tuple[float, dict[str, Any] | None, float]:
     """(rope_theta, rope scaling dict or None, partial_rotary_factor).
 
-    transformers 5 keeps everything in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`.
+    transformers 5 keeps everything in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`, and
+    Phi-3's `original_max_position_embeddings` beside them: a longrope (or 4.x "su") scaling dict gets
+    it copied in when it lacks one, with its type spelt `rope_type: longrope`.
     """
     params = getattr(config, "rope_parameters", None)
     if params and "rope_theta" not in params and any(isinstance(v, dict) for v in params.values()):
         raise ValueError(
             f"rope_parameters: expected one rope for all layers in the Llama family, got {params}"
         )
-    scaling = params or getattr(config, "rope_scaling", None)
+    scaling = _with_longrope_keys(params or getattr(config, "rope_scaling", None), config)
     theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     partial = (params or {}).get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
     return float(theta), scaling, float(partial)
+
+
+def _with_longrope_keys(scaling: dict[str, Any] | None, config) -> dict[str, Any] | None:
+    kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
+    if kind not in ("longrope", "su"):
+        return scaling
+    original = scaling.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original}
 
 
 def sliding_window_of(config, layer_id: int) -> int:

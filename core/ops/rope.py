@@ -1,7 +1,12 @@
-"""Building the rotary cos/sin cache, with the rope scalings of the Llama family.
+"""Building the rotary cos/sin cache, with the rope scalings of the Llama and Phi-3 families.
 
-Matches transformers' `ROPE_INIT_FUNCTIONS` for "default", "linear" and "llama3" (fp32 arithmetic,
-same formulas), so positions rotate exactly as in the Hugging Face model. `shared_cos_sin_cache` gives
+Matches transformers' `ROPE_INIT_FUNCTIONS` for "default", "linear", "llama3", "longrope" and
+"dynamic" (fp32 arithmetic, same formulas), so positions rotate exactly as in the Hugging Face model.
+The cache is built once for a context of `max_position` tokens, so the kinds that transformers
+recomputes per forward are fixed by that context: "longrope" takes its long factors when the context
+exceeds `original_max_position_embeddings` and its short ones otherwise (transformers switches per
+forward on the sequence's length; cached keys cannot be re-rotated), and "dynamic" NTK scaling, which
+only grows the base past `max_position_embeddings`, is the default within it. `shared_cos_sin_cache` gives
 every layer of a model the same cache (one [max_position, rotary_dim] tensor per rotary config and
 device, not one per layer: 2 GiB saved at an 8B shape with a 128k context).
 """
@@ -15,7 +20,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "dynamic")
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
@@ -41,17 +46,56 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim // 2] in fp32, after the scaling named by `rope_scaling`."""
+def _longrope_original_max(params: dict[str, Any]) -> int:
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(f"rope_scaling: expected 'original_max_position_embeddings' for longrope, got {params}")
+    return int(original)
+
+
+def _longrope_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """Phi-3 LongRoPE: divide each frequency by its long factor when the context `max_position`
+    exceeds the original one, else by its short factor."""
+    which = "long_factor" if max_position > _longrope_original_max(params) else "short_factor"
+    factors = params.get(which)
+    if not isinstance(factors, (list, tuple)) or len(factors) != inv_freq.numel():
+        raise ValueError(f"rope_scaling {which}: expected a list of {inv_freq.numel()} numbers (rotary_dim // 2), "
+                         f"got {factors!r}")
+    return inv_freq / torch.tensor(factors, dtype=torch.float32)
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None, max_position: int) -> float:
+    """The factor cos and sin are multiplied by: `attention_factor` when given; for longrope else
+    sqrt(1 + ln(s) / ln(original_max_position_embeddings)) with s = `factor` or max_position / original
+    (1.0 when s <= 1); 1.0 for the other kinds."""
+    if rope_type_of(rope_scaling) != "longrope":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    original = _longrope_original_max(rope_scaling)
+    scale = rope_scaling.get("factor") or max_position / original
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
+def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None = None,
+                  max_position: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] in fp32, after the scaling named by `rope_scaling`.
+
+    max_position: the context the cache serves; "longrope" needs it to choose its factors.
+    """
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (base**exponents)
     rope_type = rope_type_of(rope_scaling)
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
         return inv_freq
     if rope_type == "linear":
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "longrope":
+        if max_position is None:
+            raise ValueError("max_position: expected the context length for rope type 'longrope', got None")
+        return _longrope_inv_freq(inv_freq, rope_scaling, max_position)
     raise ValueError(
         f"rope_scaling: unsupported rope type {rope_type!r}; expected one of: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -66,15 +110,17 @@ def build_cos_sin_cache(
 ) -> torch.Tensor:
     """The cache `rotary_embedding` reads: [max_position, rotary_dim] fp32 on the CPU.
 
-    Row p holds cos(p * inv_freq) in its first rotary_dim // 2 entries and sin(p * inv_freq) in
-    the rest.
+    Row p holds a * cos(p * inv_freq) in its first rotary_dim // 2 entries and a * sin(p * inv_freq)
+    in the rest, a the scaling's attention factor (1.0 but for longrope).
     """
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim: expected an even number, got {rotary_dim}")
-    inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)  # [rotary_dim // 2]
+    inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling, max_position)  # [rotary_dim // 2]
     t = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    factor = rope_attention_factor(rope_scaling, max_position)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return cache if factor == 1.0 else cache * factor
 
 
 # (rotary_dim, max_position, base, scaling as JSON, device) -> the cache; an entry lives as long as a
