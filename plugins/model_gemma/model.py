@@ -4,7 +4,8 @@ Gemma 2 over a Llama-like decoder: the embedding scaled by sqrt(hidden_size), (1
 (`GemmaRMSNorm`), sandwich norms (a norm before and after both attention and the MLP), a GeGLU MLP,
 attention scaled by `query_pre_attn_scalar ** -0.5` with logit soft-capping, sliding-window layers
 interleaved with global ones (`layer_types`), and a soft-capped final logit. Gemma 3 adds per-head
-q/k norms and a rope base per layer type (`rope_local_base_freq` for the sliding layers).
+q/k norms and a rope base per layer type (`rope_local_base_freq` for the sliding layers), and, as in
+transformers, no attention soft-cap (a Gemma 3 config's `attn_logit_softcapping` is ignored, with a warning).
 
 Module names follow the Hugging Face checkpoints, except that q/k/v are fused into `qkv_proj` and
 gate/up into `gate_up_proj` (so LoRA and tensor parallelism apply as for Llama).
@@ -12,6 +13,7 @@ gate/up into `gate_up_proj` (so LoRA and tensor parallelism apply as for Llama).
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -33,6 +35,8 @@ from backplane.models import ModelContext, ModelOutput, head_dim_of, load_named_
 from backplane.plugins.model_gemma import config as gemma_config
 from backplane.plugins.model_gemma.norm import GemmaRMSNorm
 
+logger = logging.getLogger(__name__)
+
 
 class GemmaMLP(nn.Module):
     def __init__(self, config, ctx: ModelContext):
@@ -48,7 +52,7 @@ class GemmaMLP(nn.Module):
 
 class GemmaAttention(nn.Module):
     def __init__(self, config, layer_id: int, layer_type: str, ctx: ModelContext, qk_norm: bool,
-                 rope: tuple[float, dict | None]):
+                 rope: tuple[float, dict | None], softcap: float):
         super().__init__()
         head_dim = self.head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
@@ -63,7 +67,7 @@ class GemmaAttention(nn.Module):
         self.attn = Attention(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, config.query_pre_attn_scalar**-0.5,
             layer_id, ctx, sliding_window=gemma_config.sliding_window(config, layer_type),
-            logit_softcap=gemma_config.softcap(config, "attn_logit_softcapping"),
+            logit_softcap=softcap,
         )
 
     def _norm_heads(self, norm: GemmaRMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -80,9 +84,9 @@ class GemmaAttention(nn.Module):
 class GemmaDecoderLayer(nn.Module):
     """Sandwich norms: h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))."""
 
-    def __init__(self, config, layer_id: int, layer_type: str, ctx: ModelContext, qk_norm: bool, rope):
+    def __init__(self, config, layer_id: int, layer_type: str, ctx: ModelContext, qk_norm: bool, rope, softcap: float):
         super().__init__()
-        self.self_attn = GemmaAttention(config, layer_id, layer_type, ctx, qk_norm, rope)
+        self.self_attn = GemmaAttention(config, layer_id, layer_type, ctx, qk_norm, rope, softcap)
         self.mlp = GemmaMLP(config, ctx)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps, ctx.dtype)
@@ -97,13 +101,14 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, config, ctx: ModelContext, qk_norm: bool, rope_of):
+    def __init__(self, config, ctx: ModelContext, qk_norm: bool, rope_of, softcap: float):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx.parallel, ctx.dtype)
         self.embed_scale = config.hidden_size**0.5
         types = gemma_config.layer_types(config)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, kind, ctx, qk_norm, rope_of(config, kind)) for i, kind in enumerate(types)
+            GemmaDecoderLayer(config, i, kind, ctx, qk_norm, rope_of(config, kind), softcap)
+            for i, kind in enumerate(types)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype)
 
@@ -127,11 +132,12 @@ class Gemma2ForCausalLM(nn.Module):
 
     qk_norm = False  # Gemma 3 normalises q and k per head before rope
     rope_of = staticmethod(_gemma2_rope)  # (config, layer type) -> (rope base, rope_scaling)
+    attention_softcap = True  # Gemma 3 reads no attn_logit_softcapping (as in transformers)
 
     def __init__(self, config, ctx: ModelContext):
         super().__init__()
         self.config, self.ctx = config, ctx
-        self.model = GemmaModel(config, ctx, self.qk_norm, self.rope_of)
+        self.model = GemmaModel(config, ctx, self.qk_norm, self.rope_of, self._attention_softcap(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -144,6 +150,14 @@ class Gemma2ForCausalLM(nn.Module):
         self.num_heads, self.num_kv_heads = first_attn.qkv_proj.num_heads, first_attn.qkv_proj.num_kv_heads
         self.head_dim = first_attn.head_dim
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+
+    def _attention_softcap(self, config) -> float:
+        cap = gemma_config.softcap(config, "attn_logit_softcapping")
+        if cap and not self.attention_softcap:
+            logger.warning("%s: attn_logit_softcapping=%s is ignored, as transformers ignores it for this model",
+                           type(self).__name__, cap)
+            return 0.0
+        return cap
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """The bound ForwardContext (if any) says where the logits go and whether hidden states return."""
@@ -166,6 +180,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     qk_norm = True
     rope_of = staticmethod(gemma_config.gemma3_rope)
+    attention_softcap = False
 
 
 def build_model(cls: type[Gemma2ForCausalLM], hf_config, ctx: ModelContext) -> Gemma2ForCausalLM:
