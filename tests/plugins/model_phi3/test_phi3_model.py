@@ -1,5 +1,5 @@
-"""Phi-3 beyond the suite: long factors end to end, fused weights sharded per rank, bad checkpoints,
-the checkpoint layout, and the import boundary."""
+"""Phi-3 beyond the suite: long factors end to end, tensor parallelism 2 on CPU, fused weights sharded
+per rank, bad checkpoints, the checkpoint layout, and the import boundary."""
 
 from __future__ import annotations
 
@@ -40,6 +40,25 @@ def test_long_factors_match_transformers(tmp_path):
     for n, (prompt, out) in enumerate(zip(prompts, engine.generate(input_ids=prompts, sampling_params=params))):
         assert out.error is None, out.error
         assert_matches(f"longrope past the original context, request {n}", prompt, out, reference)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 4])  # replicated over the 2 ranks; split 2 and 2
+def test_tp2_matches_transformers(tmp_path, num_kv_heads):
+    """Two CPU ranks (gloo) serve the fused checkpoint: each loads its own heads and gate/up rows."""
+    reference = save_reference("Phi3ForCausalLM", transformers.Phi3Config, 5, tmp_path,
+                               {**LONG_ROPE, "num_key_value_heads": num_kv_heads, "num_hidden_layers": 2})
+    reference.steps = 4
+    prompts = random_prompts(5, (20, 33), reference.model.config.vocab_size)
+    engine = Engine(str(tmp_path), tp_size=2, max_total_tokens=512, **ENGINE_ARGS)
+    try:
+        params = SamplingParams(max_new_tokens=reference.steps, temperature=0.0, ignore_eos=True)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert engine.runner.model.num_heads == 2  # this rank's share of 4
+    finally:
+        engine.shutdown()
+    for n, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert out.error is None, out.error
+        assert_matches(f"tp 2, {num_kv_heads} KV heads, request {n}", prompt, out, reference)
 
 
 def _rank_model(config, rank: int, tp_size: int) -> tuple[Phi3ForCausalLM, dict[str, torch.Tensor]]:
