@@ -80,3 +80,13 @@ def test_rope_settings_copies_the_original_context_from_a_4x_config():
 def test_bad_longrope_is_named(scaling, max_position, message):
     with pytest.raises(ValueError, match=message):
         rope_inv_freq(8, 10000.0, scaling, max_position)
+
+
+@pytest.mark.parametrize("context, factors", [(16, SHORT), (17, LONG)])
+def test_longrope_switches_one_past_the_original_context(context, factors):
+    """transformers takes the long factors once the sequence is longer than the original context."""
+    scaling = {**LONGROPE, "original_max_position_embeddings": 16}
+    base = rope_inv_freq(8, 10000.0)
+    torch.testing.assert_close(rope_inv_freq(8, 10000.0, scaling, context), base / torch.tensor(factors))
+    rotary, _ = _phi3_rotary(context, 16)
+    _assert_cache_is(build_cos_sin_cache(8, context, 10000.0, scaling), rotary, torch.arange(context))
