@@ -99,7 +99,8 @@ CLI_ROWS = [
     ("R21", ["generate", "--device", "cpu", "--model", "{corrupt}", "--input-ids", "5"], {},
      "model.safetensors' is corrupt or unreadable: "),
     ("R22", ["generate", "--device", "cpu", "--model", "{unknown_arch}", "--input-ids", "5"], {},
-     "model architecture 'FooForCausalLM' is not registered; registered: LlamaForCausalLM"),
+     "model architecture 'FooForCausalLM' is not registered; registered: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+     "LlamaForCausalLM"),
     ("R23", ["generate", "--device", "cpu", "--model", "{no_weights}", "--input-ids", "5"], {},
      "': expected model.safetensors or model.safetensors.index.json, found neither"),
     # LoRA adapters
