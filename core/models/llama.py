@@ -4,6 +4,10 @@ Module names follow the Hugging Face checkpoints, except that q/k/v are fused in
 gate/up into `gate_up_proj`; `load_weights` maps the checkpoint names onto them. Built only from the
 public model API (backplane.contracts, backplane.layers, backplane.models), as a third-party model
 plugin would be: tests/plugin/test_import_boundary.py holds it to that.
+
+Public (`backplane.models.llama`) as the base of Llama-like families: a plugin for a family that
+differs only in its checkpoint layout or a class attribute subclasses `LlamaForCausalLM` and
+overrides `load_weights` / `checkpoint_shapes` (plugins/model_phi3 does).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from backplane.models import (
     rope_settings,
     sliding_window_of,
 )
+
+__all__ = ["LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
+           "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "build_model"]
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, ctx: ModelContext):

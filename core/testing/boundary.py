@@ -29,6 +29,7 @@ PUBLIC_MODULES = (
     "backplane.speculative",
     "backplane.layers",
     "backplane.models",
+    "backplane.models.llama",
     "backplane.testing",
 )
 
