@@ -50,6 +50,13 @@ DEPRECATED_MODULES = (
     "backplane.engine.sampling_params",
     "backplane.engine.scheduler",
     "backplane.engine.stream",
+    "backplane.engine.decode_state",
+    "backplane.engine.overlap",
+    "backplane.engine.radix",
+    "backplane.engine.sampling_state",
+    "backplane.engine.stopping",
+    "backplane.engine.detokenize",
+    "backplane.engine.tokenizer",
 )
 
 
