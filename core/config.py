@@ -24,6 +24,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_RUNNING_REQUESTS = {"cuda": 256, "cpu": 64}
+DEFAULT_MAX_EXTEND_TOKENS = 512  # extend graphs: the largest token bucket unless --cuda-graph-max-tokens
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ class GraphConfig:
     torch_compile_max_bs: int
     speculative_num_draft_tokens: int
     mem_fraction_static: float  # named in a capture failure's remedies
+    disable_extend_graph: bool = False
+    cuda_graph_max_tokens: int = 512  # the largest extend token bucket (resolved: at most the chunk size)
+    cuda_graph_max_extend_bs: int = 8
 
 
 def resolve_graphs(args: Any) -> GraphConfig:
@@ -127,6 +131,9 @@ def resolve_graphs(args: Any) -> GraphConfig:
         enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         mem_fraction_static=args.mem_fraction_static,
+        disable_extend_graph=args.disable_extend_graph,
+        cuda_graph_max_tokens=min(args.cuda_graph_max_tokens or DEFAULT_MAX_EXTEND_TOKENS, args.chunked_prefill_size),
+        cuda_graph_max_extend_bs=args.cuda_graph_max_extend_bs,
     )
 
 

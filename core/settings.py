@@ -90,6 +90,12 @@ class EngineArgs(BaseSettings):
     disable_cuda_graph_padding: bool = Field(
         False, description="replay graphs only at exactly captured batch sizes (default ladder 1..32, 64, 128); "
         "other sizes run eagerly")
+    disable_extend_graph: bool = Field(
+        False, description="run prefill and extend batches eagerly (decode and verify graphs stay)")
+    cuda_graph_max_tokens: int | None = Field(
+        None, ge=1, description="largest token bucket of the extend graphs (default: 512, at most "
+        "--chunked-prefill-size); larger prefills run eagerly")
+    cuda_graph_max_extend_bs: int = Field(8, ge=1, description="most requests in one captured extend batch")
     enable_torch_compile: bool = Field(False, description="torch.compile small batch sizes")
     torch_compile_max_bs: int = Field(32, ge=1, description="largest batch size to compile")
     # Memory and scheduling

@@ -20,8 +20,8 @@ import torch
 
 from backplane.contracts.batch import ForwardBatch, ForwardMode
 from backplane.contracts.forward_context import ForwardContext
-from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, padded_size,
-                                            tokens_per_request)
+from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, extend_batch_sizes,
+                                            extend_shape, extend_token_buckets, padded_size, tokens_per_request)
 from backplane.contracts.model import ModelOutput
 from backplane.models.base import ModelContext
 from backplane.executor.compiled import CompiledForward
@@ -89,6 +89,39 @@ def capture_graph(fn: Callable[[], Any], pool: Any = None, warmup: int = 2) -> t
     return graph, output
 
 
+class RerunGraph:
+    """A stand-in for a captured CUDA graph that re-runs the captured Python at every replay and
+    writes its output into the first run's tensors, as a replay overwrites the static outputs. For
+    tests on CPU (`GraphRunner.capture_fn = rerun_capture`): everything a replay depends on (the
+    static buffers, the padding, the backends' and contributors' graph metadata refreshed in place)
+    is exercised; only the recording itself is not."""
+
+    def __init__(self, fn: Callable[[], Any], output: Any):
+        self.fn, self.output = fn, output
+
+    def replay(self) -> None:
+        new = self.fn()
+        for mine, fresh in zip(_tensors(self.output), _tensors(new)):
+            if mine.data_ptr() != fresh.data_ptr():
+                mine.copy_(fresh)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, ModelOutput):
+        return [t for t in (output.logits, output.hidden_states) if t is not None]
+    return [t for t in output if isinstance(t, torch.Tensor)]
+
+
+def rerun_capture(fn: Callable[[], Any], pool: Any = None, warmup: int = 1) -> tuple[RerunGraph, Any]:
+    """`capture_graph`'s signature on any device: warm up, run once, return a RerunGraph and its output."""
+    for _ in range(warmup):
+        fn()
+    output = fn()
+    return RerunGraph(fn, output), output
+
+
 @dataclass
 class StaticInputs:
     """The buffers captured graphs read; replay copies each real batch into them."""
@@ -98,11 +131,12 @@ class StaticInputs:
     out_cache_loc: torch.Tensor  # [max_tokens]
     req_pool_indices: torch.Tensor  # [max_bs]
     seq_lens: torch.Tensor  # [max_bs]
-    # TARGET_VERIFY only: the tree mask (see ForwardBatch) and the extend lengths.
+    # TARGET_VERIFY and EXTEND: the extend lengths; TARGET_VERIFY only: the tree mask (see ForwardBatch).
     extend_prefix_lens: torch.Tensor  # [max_bs] int32
     extend_seq_lens: torch.Tensor  # [max_bs] int32
     mask_indptr: torch.Tensor  # [max_bs + 1] int64
     custom_mask: torch.Tensor  # [mask_size] bool, mask_size = max_bs * tokens_per_request * max_context_len
+    logits_indices: torch.Tensor | None = None  # [max_bs] int64, EXTEND: the last new token of each request
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device, mask_size: int = 0) -> StaticInputs:
@@ -111,15 +145,17 @@ class StaticInputs:
 
         return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens), zeros(max_bs), zeros(max_bs, torch.int32),
                    zeros(max_bs, torch.int32), zeros(max_bs, torch.int32), zeros(max_bs + 1),
-                   zeros(mask_size, torch.bool))
+                   zeros(mask_size, torch.bool), zeros(max_bs))
 
 
 def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int, fill: int) -> ForwardBatch:
     """Copy `batch` into the static buffers padded to `key`, and return the padded batch view.
 
-    Padded requests use request row `pad_row` (all zeros: slot 0), seq_len `fill`, and write their
-    K/V to the dump slot 0.
+    Uniform keys: padded requests use request row `pad_row` (all zeros: slot 0), seq_len `fill`, and
+    write their K/V to the dump slot 0. Ragged (extend) keys: see `_pad_extend`.
     """
+    if key.ragged:
+        return _pad_extend(static, batch, key, pad_row)
     bs, n = batch.batch_size, batch.num_tokens
     pbs, pn = key.batch_size, key.num_tokens
     static.input_ids[:n].copy_(batch.input_ids)
@@ -138,6 +174,64 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     view = _view(static, key, batch, seq_lens_cpu)
     if key.mode is ForwardMode.TARGET_VERIFY:
         _pad_verify(static, view, key, batch.custom_mask, bs)
+    return view
+
+
+def extend_lens_cpu(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefix lengths, new-token lengths) of an extend batch, [batch_size] int32 host tensors."""
+    if batch.extend_seq_lens_cpu is None:
+        raise ValueError(f"graph runner: an extend graph batch needs extend_seq_lens_cpu, got None "
+                         f"({batch.forward_mode.value}, {batch.batch_size} requests)")
+    new = batch.extend_seq_lens_cpu.to(torch.int32)
+    if batch.extend_prefix_lens_cpu is not None:
+        return batch.extend_prefix_lens_cpu.to(torch.int32), new
+    return batch.seq_lens_cpu.to(torch.int32) - new, new
+
+
+def _pad_extend(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int) -> ForwardBatch:
+    """Pad an extend batch of bs requests and n new tokens to key.batch_size requests and
+    key.token_bucket tokens: request bs (row `pad_row`, no prefix) takes the bucket's n..T tokens
+    (position 0, K/V to the dump slot 0), further padded requests have none; every padded
+    request's logits row reads token 0 and is dropped at replay. Device work only (no host sync).
+    """
+    bs, n = batch.batch_size, batch.num_tokens
+    pbs, pn = key.batch_size, key.num_tokens
+    if n > pn or bs > pbs or (n < pn and bs == pbs):
+        raise ValueError(f"graph runner: an extend batch of {bs} requests and {n} tokens does not fit graph "
+                         f"{pbs} requests x {pn} tokens (a padded request needs a slot)")
+    prefix_cpu, new_cpu = extend_lens_cpu(batch)
+    static.input_ids[:n].copy_(batch.input_ids)
+    static.positions[:n].copy_(batch.positions)
+    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
+    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+    static.seq_lens[:bs].copy_(batch.seq_lens)
+    new_dev = batch.extend_seq_lens if batch.extend_seq_lens is not None else new_cpu.to(static.seq_lens.device)
+    static.extend_seq_lens[:bs].copy_(new_dev)
+    if batch.extend_prefix_lens is not None:
+        static.extend_prefix_lens[:bs].copy_(batch.extend_prefix_lens)
+    else:
+        torch.sub(static.seq_lens[:bs], static.extend_seq_lens[:bs], out=static.extend_prefix_lens[:bs])
+    torch.cumsum(static.extend_seq_lens[:bs], 0, out=static.logits_indices[:bs])
+    static.logits_indices[:bs].sub_(1)
+    pad_lens = [pn - n] + [0] * (pbs - bs - 1) if pbs > bs else []
+    if pbs > bs:
+        static.input_ids[n:pn].zero_()
+        static.positions[n:pn].zero_()
+        static.out_cache_loc[n:pn].zero_()
+        static.req_pool_indices[bs:pbs].fill_(pad_row)
+        static.seq_lens[bs].fill_(pn - n)
+        static.extend_seq_lens[bs].fill_(pn - n)
+        static.seq_lens[bs + 1:pbs].zero_()
+        static.extend_seq_lens[bs + 1:pbs].zero_()
+        static.extend_prefix_lens[bs:pbs].zero_()
+        static.logits_indices[bs:pbs].zero_()
+    pad = torch.tensor(pad_lens, dtype=torch.int32)
+    new_p = torch.cat([new_cpu, pad])
+    prefix_p = torch.cat([prefix_cpu, torch.zeros(pbs - bs, dtype=torch.int32)])
+    view = _view(static, key, batch, prefix_p + new_p)
+    view.extend_seq_lens, view.extend_prefix_lens = static.extend_seq_lens[:pbs], static.extend_prefix_lens[:pbs]
+    view.extend_seq_lens_cpu, view.extend_prefix_lens_cpu = new_p, prefix_p
+    view.logits_indices = static.logits_indices[:pbs]
     return view
 
 
@@ -201,33 +295,50 @@ class GraphRunnerContext:
 
 
 class GraphRunner:
-    """Captures and replays decode graphs for one model runner.
+    """Captures and replays the graphs of one model runner: uniform ones (decode, verify, draft
+    windows) at padded batch sizes, and extend ones (EXTEND, prefill and extend over a cached
+    prefix) at (request slots, token bucket) shapes.
 
+    modes: the modes to capture, with how ("full" or "piecewise"; a list of modes means full).
     extras_variants: the graph-key extras to capture each size for; by default every combination
     of the contributors' `graph_variants()`.
     """
 
-    def __init__(self, ctx: GraphRunnerContext, modes: list[ForwardMode], extras_variants: list[tuple] | None = None):
+    def __init__(self, ctx: GraphRunnerContext, modes: list[ForwardMode] | dict[ForwardMode, str],
+                 extras_variants: list[tuple] | None = None):
         self.ctx = ctx
         self.model = ctx.model
         self.backend = ctx.attn_backend
         self.fill = ctx.attention.spec.seq_len_fill_value
         self.pad_row = ctx.req_to_token_pool.size - 1
         self.sizes, self.compile_sizes = capture_batch_sizes(ctx.config, self.pad_row)
-        self.modes = modes
-        self.tokens_per_request = {m: tokens_per_request(ctx.config, m) for m in modes}
+        self.kinds = dict(modes) if isinstance(modes, dict) else {m: "full" for m in modes}
+        self.modes = list(self.kinds)
+        uniform = [m for m in self.modes if m is not ForwardMode.EXTEND]
+        self.tokens_per_request = {m: tokens_per_request(ctx.config, m) for m in uniform}
         self.extras_variants = extras_variants or combine_variants([c.graph_variants() for c in ctx.contributors])
-        max_bs = max(self.sizes)
-        max_tokens = max_bs * max(self.tokens_per_request.values())
+        max_bs = max(self.sizes) if uniform else 1
+        max_tokens = max_bs * max(self.tokens_per_request.values(), default=1)
+        self.extend_buckets: list[int] = []
+        self.extend_sizes: list[int] = []
+        if ForwardMode.EXTEND in self.kinds:
+            self.extend_buckets = extend_token_buckets(ctx.config.cuda_graph_max_tokens)
+            limit = min(ctx.config.cuda_graph_max_extend_bs, self.pad_row)  # requests + the padded one
+            self.extend_sizes = extend_batch_sizes(max(limit, 1))
+            max_bs, max_tokens = max(max_bs, max(self.extend_sizes)), max(max_tokens, max(self.extend_buckets))
         verify_tpr = self.tokens_per_request.get(ForwardMode.TARGET_VERIFY, 0)
         mask_size = max_bs * verify_tpr * ctx.req_to_token_pool.max_context_len
         self.static = StaticInputs.allocate(max_bs, max_tokens, ctx.device, mask_size)
         self.backend.init_graph_state(max_bs, max_tokens)
         # Every graph writes its fp32 logits into views of this one buffer (only one graph replays at
         # a time): kept outputs of their own would hold a [tokens, vocab] tensor per graph in the pool,
-        # and the draft runners capturing later could reuse none of it.
-        self.static_logits = torch.empty((max_tokens, self.model.vocab_size), dtype=torch.float32,
+        # and the draft runners capturing later could reuse none of it. Extend graphs need a row per
+        # request only.
+        logit_rows = max(max(self.sizes) * max(self.tokens_per_request.values(), default=0), max(self.extend_sizes, default=0))
+        self.static_logits = torch.empty((logit_rows, self.model.vocab_size), dtype=torch.float32,
                                          device=ctx.device)
+        # None: capture_graph (a CUDA graph); tests on CPU set rerun_capture.
+        self.capture_fn: Callable[..., tuple[Any, Any]] | None = None
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.compiled: CompiledForward | None = None
         self.outputs: dict[GraphKey, ModelOutput] = {}
@@ -236,8 +347,17 @@ class GraphRunner:
         self.device_memory_bytes = 0  # drop of the device's free memory during capture (all causes)
 
     def keys(self) -> list[GraphKey]:
-        return [GraphKey(mode, bs, self.tokens_per_request[mode], extras)
-                for mode in self.modes for extras in self.extras_variants for bs in reversed(self.sizes)]
+        """Every key to capture, extend graphs first (their largest buckets set the pool's size, so
+        the smaller graphs after them reuse its blocks), each mode's largest shapes first."""
+        keys = [self.extend_key(bs, bucket, extras) for extras in self.extras_variants
+                for bucket in reversed(self.extend_buckets) for bs in reversed(self.extend_sizes) if bs <= bucket]
+        return keys + [GraphKey(mode, bs, self.tokens_per_request[mode], extras, capture=self.kinds[mode])
+                       for mode in self.modes if mode is not ForwardMode.EXTEND
+                       for extras in self.extras_variants for bs in reversed(self.sizes)]
+
+    def extend_key(self, batch_size: int, bucket: int, extras: tuple) -> GraphKey:
+        return GraphKey(ForwardMode.EXTEND, batch_size, 0, extras, token_bucket=bucket,
+                        capture=self.kinds[ForwardMode.EXTEND])
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -245,20 +365,24 @@ class GraphRunner:
         from tqdm import tqdm
 
         keys = self.keys()
-        free_before = _free_after_releasing_cache()
-        pool_before = pool_bytes(global_graph_pool())
+        cuda = self.ctx.device.type == "cuda"  # else a re-running stand-in (tests): nothing to measure
+        free_before = _free_after_releasing_cache() if cuda else 0
+        pool_before = pool_bytes(global_graph_pool()) if cuda else 0
         start = time.perf_counter()
         for key in tqdm(keys, desc="capturing CUDA graphs", leave=False, disable=not sys.stderr.isatty()):
             try:
                 self._capture_one(key)
             except Exception as exc:
                 raise GraphCaptureError(self._failure_message(key, exc)) from exc
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+            self.device_memory_bytes = free_before - _free_after_releasing_cache()
+            self.graph_memory_bytes = pool_bytes(global_graph_pool()) - pool_before
         self.capture_seconds = time.perf_counter() - start
-        self.device_memory_bytes = free_before - _free_after_releasing_cache()
-        self.graph_memory_bytes = pool_bytes(global_graph_pool()) - pool_before
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s: graph pool +%.0f MB (device %.0f MB)",
-                    len(keys), self.sizes, self.capture_seconds, self.graph_memory_bytes / 2**20,
+        extend = (f", extend token buckets {self.extend_buckets} x up to {max(self.extend_sizes)} requests "
+                  f"({self.kinds[ForwardMode.EXTEND]})" if self.extend_buckets else "")
+        logger.info("captured %d CUDA graphs (batch sizes %s%s) in %.1f s: graph pool +%.0f MB (device %.0f MB)",
+                    len(keys), self.sizes, extend, self.capture_seconds, self.graph_memory_bytes / 2**20,
                     self.device_memory_bytes / 2**20)
 
     def fill_for(self, key: GraphKey) -> int:
@@ -268,6 +392,8 @@ class GraphRunner:
         return self.fill
 
     def _capture_batch(self, key: GraphKey) -> ForwardBatch:
+        if key.ragged:
+            return self._capture_extend_batch(key)
         fill = self.fill_for(key)
         self.static.req_pool_indices[: key.batch_size].fill_(self.pad_row)
         self.static.seq_lens[: key.batch_size].fill_(fill)
@@ -283,24 +409,48 @@ class GraphRunner:
             _pad_verify(self.static, view, key, self.static.custom_mask[:0], 0)
         return view
 
+    def _capture_extend_batch(self, key: GraphKey) -> ForwardBatch:
+        """A batch of key.batch_size padded requests sharing the bucket's tokens (one request the
+        rest, every other one token; no prefix), written into the static buffers."""
+        bs, n = key.batch_size, key.num_tokens
+        lens = [n - (bs - 1)] + [1] * (bs - 1)
+        device = self.ctx.device
+        lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        positions = torch.cat([torch.arange(k) for k in lens]).to(device)
+        like = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=bs,
+                            input_ids=torch.zeros(n, dtype=torch.int64, device=device), positions=positions,
+                            req_pool_indices=torch.full((bs,), self.pad_row, dtype=torch.int64, device=device),
+                            seq_lens=lens_cpu.to(device), seq_lens_cpu=lens_cpu,
+                            out_cache_loc=torch.zeros(n, dtype=torch.int64, device=device),
+                            req_to_token_pool=self.ctx.req_to_token_pool, token_to_kv_pool=self.ctx.token_to_kv_pool)
+        like.set_extend_lens([0] * bs, lens)
+        return _pad_extend(self.static, like, key, self.pad_row)
+
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)
         self.backend.init_metadata_for_capture(key, batch)
         forward, ops = self._forward_fn(key)
         # NOTE: bound once for the warm-up runs and the capture (they run the same batch); a replay
-        # runs no Python, so nothing is bound then. Verify graphs return the hidden states (EAGLE
-        # drafts from them; harmless for other algorithms).
+        # runs no Python, so nothing is bound then. Verify and extend graphs return the hidden
+        # states (EAGLE drafts from them; harmless for other algorithms).
         context = ForwardContext(batch=batch, attn_backend=self.backend, ops=ops,
                                  bindings=self.prepare_contributors(batch, key),
-                                 capture_hidden=key.mode is ForwardMode.TARGET_VERIFY,
+                                 capture_hidden=key.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND),
                                  logits_out=self.static_logits, graph_key=key)
-        with self.ctx.model_ctx.bind(context):
-            self.graphs[key], self.outputs[key] = capture_graph(lambda: forward(batch), global_graph_pool())
+
+        def run():
+            with self.ctx.model_ctx.bind(context):
+                return forward(batch)
+
+        pool = global_graph_pool() if self.ctx.device.type == "cuda" else None
+        self.graphs[key], self.outputs[key] = (self.capture_fn or capture_graph)(run, pool)
 
     def _forward_fn(self, key: GraphKey):
-        """(what a graph of `key` records, with which op table): the model, or its torch.compile."""
+        """(what a graph of `key` records, with which op table): the model, or its torch.compile
+        (uniform graphs at the compiled batch sizes; extend graphs run the model as an eager
+        extend does)."""
         ops = self.ctx.model_ctx.default_ops
-        if key.batch_size not in self.compile_sizes:
+        if key.ragged or key.batch_size not in self.compile_sizes:
             return self.model, ops
         if self.compiled is None:  # one torch.compile, one specialisation per captured shape
             self.compiled = CompiledForward(self.model, dynamic=False)
@@ -313,7 +463,11 @@ class GraphRunner:
                     f"lower --mem-fraction-static (now {config.mem_fraction_static})", "--disable-cuda-graph"]
         if config.enable_torch_compile:
             remedies.append("drop --enable-torch-compile")
-        return (f"CUDA graph capture failed at batch size {key.batch_size} ({key.mode.value}, attention "
+        if key.ragged:
+            remedies.insert(0, f"lower --cuda-graph-max-tokens (now {config.cuda_graph_max_tokens}) or pass "
+                               "--disable-extend-graph")
+        shape = f"{key.batch_size} requests x {key.token_bucket} tokens" if key.ragged else f"batch size {key.batch_size}"
+        return (f"CUDA graph capture failed at {shape} ({key.mode.value}, attention "
                 f"backend {choice.spec.name!r} of plugin {choice.plugin!r}): {type(exc).__name__}: {exc}. "
                 f"Remedies: {'; '.join(remedies)}")
 
@@ -338,6 +492,8 @@ class GraphRunner:
         return hidden states, so a forward that wants them in another mode runs eagerly."""
         if batch.forward_mode not in self.modes:
             return None
+        if batch.forward_mode is ForwardMode.EXTEND:
+            return self._extend_key_for(batch)
         if capture_hidden and batch.forward_mode is not ForwardMode.TARGET_VERIFY:
             return None
         tpr = self.tokens_per_request[batch.forward_mode]
@@ -347,6 +503,17 @@ class GraphRunner:
         if bs is None:
             return None
         key = GraphKey(batch.forward_mode, bs, tpr, self.key_extras(batch))
+        return key if key in self.graphs else None
+
+    def _extend_key_for(self, batch: ForwardBatch) -> GraphKey | None:
+        """An extend batch replays when its tokens fit a bucket and its requests (plus the padded
+        one) the slots, with the default logits rows and no custom mask."""
+        if batch.logits_indices is not None or batch.custom_mask is not None or batch.extend_seq_lens_cpu is None:
+            return None
+        shape = extend_shape(batch.num_tokens, batch.batch_size, self.extend_buckets, self.extend_sizes)
+        if shape is None:
+            return None
+        key = self.extend_key(*shape, self.key_extras(batch))
         return key if key in self.graphs else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -361,5 +528,6 @@ class GraphRunner:
         self.graphs[key].replay()
         out = self.outputs[key]
         n = batch.num_tokens
+        rows = batch.batch_size if key.ragged else n  # extend: one logits row per request
         hidden = out.hidden_states[:n] if out.hidden_states is not None else None
-        return ModelOutput(logits=out.logits[:n], hidden_states=hidden)
+        return ModelOutput(logits=out.logits[:rows], hidden_states=hidden)

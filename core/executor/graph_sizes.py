@@ -14,6 +14,9 @@ from backplane.contracts.graph import GraphKey, GraphParticipant, ModeLimit  # n
 
 DEFAULT_SIZES = [1, 2, 4] + [8 * k for k in range(1, 21)]  # 1, 2, 4, 8, 16, ..., 160 (the default max)
 NO_PADDING_SIZES = list(range(1, 33)) + [64, 128]
+# Extend graphs: token buckets double to 64, then grow by half (at most a third of a bucket is padding).
+EXTEND_TOKEN_LADDER = [8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+EXTEND_BATCH_LADDER = [1, 2, 4, 8, 16, 32]
 
 
 def capture_batch_sizes(args: Any, req_pool_size: int) -> tuple[list[int], list[int]]:
@@ -53,6 +56,41 @@ def tokens_per_request(args: Any, mode: ForwardMode) -> int:
     return int(args.speculative_num_draft_tokens) if mode is ForwardMode.TARGET_VERIFY else 1
 
 
+def extend_token_buckets(max_tokens: int) -> list[int]:
+    """Token buckets of the extend graphs, ascending: the ladder cut at `max_tokens`, which joins
+    it when it is not a rung (so a chunk of exactly --cuda-graph-max-tokens replays)."""
+    buckets = [t for t in EXTEND_TOKEN_LADDER if t <= max_tokens]
+    if max_tokens not in buckets:
+        buckets.append(max_tokens)
+    return buckets
+
+
+def extend_batch_sizes(max_bs: int) -> list[int]:
+    """Request slots of the extend graphs, ascending: 1, 2, 4, ... up to `max_bs` (which joins)."""
+    sizes = [b for b in EXTEND_BATCH_LADDER if b <= max_bs]
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sizes
+
+
+def extend_shape(num_tokens: int, batch_size: int, buckets: list[int], sizes: list[int]) -> tuple[int, int] | None:
+    """(request slots, token bucket) of the extend graph that replays a batch of `batch_size`
+    requests and `num_tokens` new tokens, or None (eager): the smallest bucket that holds the tokens,
+    and the smallest slot count that holds the requests plus, when the bucket has room left, the
+    padded request that takes it."""
+    if num_tokens < 1 or batch_size < 1:
+        return None
+    i = bisect.bisect_left(buckets, num_tokens)
+    if i == len(buckets):
+        return None
+    bucket = buckets[i]
+    need = batch_size + (1 if bucket > num_tokens else 0)
+    j = bisect.bisect_left(sizes, need)
+    if j == len(sizes) or sizes[j] > bucket:
+        return None
+    return sizes[j], bucket
+
+
 def combine_variants(variant_lists: list[list[tuple]]) -> list[tuple]:
     """Every combination of the contributors' graph-key extras, one variant of each contributor
     per combination (their items concatenated in contributor order); [()] without contributors."""
@@ -62,16 +100,28 @@ def combine_variants(variant_lists: list[list[tuple]]) -> list[tuple]:
     return combos
 
 
-def capturable_modes(wanted: list[str], participants: list[GraphParticipant]) -> tuple[list[str], list[ModeLimit]]:
-    """The modes every participant can capture (the minimum), and a ModeLimit for each one dropped."""
-    kept, limits = [], []
+def capture_kinds(wanted: list[str], participants: list[GraphParticipant]) -> tuple[dict[str, str], list[ModeLimit]]:
+    """How each wanted mode is captured: "full" when every participant serving it declares it in
+    graph_modes; "piecewise" when some declare it only as piecewise (the rest full); dropped, with a
+    ModeLimit naming the first participant that declares neither. The minimum over participants."""
+    kinds: dict[str, str] = {}
+    limits: list[ModeLimit] = []
     for mode in wanted:
-        blockers = [p for p in participants
-                    if (p.serves is None or mode in p.serves) and mode not in p.graph_modes]
+        serving = [p for p in participants if p.serves is None or mode in p.serves]
+        blockers = [p for p in serving if mode not in p.graph_modes and mode not in p.piecewise_modes]
         if blockers:
             b = blockers[0]
             declared = ", ".join(b.graph_modes) or "none"
-            limits.append(ModeLimit(mode, b.plugin, b.item, f"declares graph modes: {declared}"))
+            detail = f"declares graph modes: {declared}"
+            if b.piecewise_modes:
+                detail += f" (piecewise: {', '.join(b.piecewise_modes)})"
+            limits.append(ModeLimit(mode, b.plugin, b.item, detail))
         else:
-            kept.append(mode)
-    return kept, limits
+            kinds[mode] = "full" if all(mode in p.graph_modes for p in serving) else "piecewise"
+    return kinds, limits
+
+
+def capturable_modes(wanted: list[str], participants: list[GraphParticipant]) -> tuple[list[str], list[ModeLimit]]:
+    """The modes every participant can capture (fully or piecewise), and a ModeLimit for each one dropped."""
+    kinds, limits = capture_kinds(wanted, participants)
+    return list(kinds), limits

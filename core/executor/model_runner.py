@@ -104,11 +104,13 @@ class ModelRunner:
     def graph_participants(self) -> list[Any]:
         from backplane.contracts.graph import GraphParticipant
 
-        decode, verify = self.attn_choices["decode"], self.attn_choices["prefill"]
+        decode, prefill = self.attn_choices["decode"], self.attn_choices["prefill"]
         parts = [GraphParticipant(decode.plugin, f"attention backend {decode.spec.name!r}",
-                                  decode.spec.graph_modes, serves=("decode",)),
-                 GraphParticipant(verify.plugin, f"attention backend {verify.spec.name!r}",
-                                  verify.spec.graph_modes, serves=("target_verify",))]
+                                  decode.spec.graph_modes, serves=("decode",),
+                                  piecewise_modes=tuple(decode.spec.piecewise_graph_modes)),
+                 GraphParticipant(prefill.plugin, f"attention backend {prefill.spec.name!r}",
+                                  prefill.spec.graph_modes, serves=("target_verify", "extend"),
+                                  piecewise_modes=tuple(prefill.spec.piecewise_graph_modes))]
         return parts + [c.graph_participant() for c in self.contributors]
 
     def graph_context(self) -> GraphRunnerContext:
@@ -122,22 +124,28 @@ class ModelRunner:
             contributors=tuple(self.contributors),
         )
 
+    def wanted_graph_modes(self) -> list[str]:
+        """The modes this configuration would capture: decode, extend (unless --disable-extend-graph),
+        and verify with a speculative algorithm."""
+        return (["decode"] + ([] if self.args.disable_extend_graph else ["extend"])
+                + (["target_verify"] if self.args.speculative_algorithm else []))
+
     def init_cuda_graphs(self) -> None:
         """Capture graphs for the configured combination, or say why decode stays eager."""
         from backplane.executor.graph_runner import GraphRunner
-        from backplane.executor.graph_sizes import capturable_modes
+        from backplane.executor.graph_sizes import capture_kinds
 
         self.graphs_initialized = True
-        wanted = ["decode"] + (["target_verify"] if self.args.speculative_algorithm else [])
-        modes: list[str] = []
+        modes: dict[str, str] = {}
         if self.args.disable_cuda_graph:
             pass
         elif self.device.type != "cuda":
             logger.info("CUDA graphs need a CUDA device; running eagerly on %s", self.device.type)
         else:
-            modes, self.graph_mode_limits = capturable_modes(wanted, self.graph_participants())
+            modes, self.graph_mode_limits = capture_kinds(self.wanted_graph_modes(), self.graph_participants())
             for limit in self.graph_mode_limits:
                 logger.warning(limit.message())
+        wanted = self.wanted_graph_modes()
         if self.args.enable_torch_compile and set(modes) != set(wanted):
             # A mode without graphs (none asked for, or a plugin declines them) still runs compiled:
             # --enable-torch-compile never silently falls back to the plain model.
@@ -146,7 +154,7 @@ class ModelRunner:
             self.compiled_eager = CompiledForward(self.model, dynamic=None)
         if not modes:
             return
-        self.graph_runner = GraphRunner(self.graph_context(), [ForwardMode(m) for m in modes])
+        self.graph_runner = GraphRunner(self.graph_context(), {ForwardMode(m): kind for m, kind in modes.items()})
         # NOTE: under tensor parallelism the graphs record the collectives (NCCL); every rank
         # captures the same keys in the same order, entered and left together.
         self.parallel.barrier()

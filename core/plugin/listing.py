@@ -21,6 +21,7 @@ def _capabilities(kind: str, spec: Any) -> dict[str, Any]:
     caps: dict[str, Any] = {"platforms": list(spec.platforms), "dtypes": list(spec.dtypes)}
     if kind == "attention":
         caps.update(modes=list(spec.modes), graph_modes=list(spec.graph_modes),
+                    piecewise_graph_modes=list(getattr(spec, "piecewise_graph_modes", ())),
                     head_dims=list(spec.head_dims) if spec.head_dims else "any", custom_mask=spec.custom_mask,
                     sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap,
                     seq_len_fill_value=spec.seq_len_fill_value)
@@ -66,7 +67,8 @@ def _format_capabilities(b: dict[str, Any]) -> str:
     parts = [f"dtypes {','.join(b['dtypes'])}"]
     if "modes" in b:
         head_dims = b["head_dims"] if b["head_dims"] == "any" else ",".join(map(str, b["head_dims"]))
-        parts += [f"modes {','.join(b['modes'])}", f"graphs {','.join(b['graph_modes']) or '-'}",
+        parts += [f"modes {','.join(b['modes'])}", f"graphs {','.join(b['graph_modes']) or '-'}"
+                  + (f" (piecewise {','.join(b['piecewise_graph_modes'])})" if b.get("piecewise_graph_modes") else ""),
                   f"head dims {head_dims}"]
         parts += [f"{label} {'yes' if b[key] else 'no'}" for key, label in (
             ("custom_mask", "custom mask"), ("sliding_window", "sliding window"), ("logit_softcap", "soft-cap"))]

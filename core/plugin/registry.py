@@ -31,7 +31,14 @@ class AttentionBackendSpec:
       platforms: ("cpu", "cuda"); dtypes: all three (an unsupported one fails loudly, not silently).
       head_dims: None, any head dim.
       modes: DEFAULT_MODES (extend, decode, draft_extend); add "target_verify" only with custom_mask.
-      graph_modes: () - nothing runs inside a CUDA graph unless declared.
+      graph_modes: () - nothing runs inside a CUDA graph unless declared. A mode here is captured
+        in full: the backend's metadata for it lives in static buffers (init_graph_state) that
+        init_metadata_for_replay refreshes in place, and "extend" graphs come as token-bucket keys
+        (GraphKey.ragged) of requests of any lengths.
+      piecewise_graph_modes: () - modes the backend serves eagerly between graph segments: the
+        runner captures the layers around each attention call, and calls init_forward_metadata
+        and forward as in an eager pass at every replay (on the padded batch). For a backend whose
+        planning cannot live in static buffers.
       custom_mask, sliding_window, logit_softcap: False - a backend that ignored the mask, the
         window or the cap would return wrong attention, so selection refuses it for such models.
       seq_len_fill_value: 1, what the graph runner writes into seq_lens of padded requests.
@@ -48,6 +55,7 @@ class AttentionBackendSpec:
     head_dims: tuple[int, ...] | None = None
     modes: tuple[str, ...] = DEFAULT_MODES
     graph_modes: tuple[str, ...] = ()
+    piecewise_graph_modes: tuple[str, ...] = ()
     custom_mask: bool = False
     sliding_window: bool = False
     logit_softcap: bool = False

@@ -89,6 +89,7 @@ FIELD_RULES: dict[str, Check] = {
     "head_dims": head_dims,
     "modes": tuple_of(ALL_MODES),
     "graph_modes": tuple_of(ALL_MODES, empty_ok=True),
+    "piecewise_graph_modes": tuple_of(ALL_MODES, empty_ok=True),
     "custom_mask": flag,
     "sliding_window": flag,
     "logit_softcap": flag,

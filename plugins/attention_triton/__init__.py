@@ -46,7 +46,7 @@ def backplane_register_attention_backends(register):
             dtypes=("float32", "float16") if interpreting else ("float32", "float16", "bfloat16"),
             head_dims=HEAD_DIMS,
             modes=("extend", "decode", "target_verify", "draft_extend"),
-            graph_modes=("decode", "target_verify", "draft_extend"),
+            graph_modes=("extend", "decode", "target_verify", "draft_extend"),
             custom_mask=True,
             sliding_window=True,
             logit_softcap=True,

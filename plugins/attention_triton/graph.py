@@ -6,7 +6,10 @@ request from the sequence length on the device). A TARGET_VERIFY graph reads a f
 (tokens_per_request apart), prefix lengths derived from seq_lens at replay, and, when captured
 with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries. A
 DRAFT_EXTEND graph with the same tokens in every request (an EAGLE draft window) is bound like a
-verify graph without a mask (causal).
+verify graph without a mask (causal). An EXTEND graph (a token bucket shared by requests of any
+lengths, `key.ragged`) reads its own qo_indptr and prefix lengths, rewritten from the padded
+batch's extend lengths at every replay; its grid covers the whole bucket in every request (the
+kernel skips the blocks past a request's new tokens).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class GraphBuffers:
         self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=device)
+        # EXTEND graphs: their own indptr and prefix lengths (verify graphs keep theirs from capture).
+        self.extend_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.extend_prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.ragged: set[Any] = set()
         self.custom_mask: torch.Tensor | None = None  # allocated by the first verify capture with a mask
         rows = max(bs * splits_for_bs(bs) for bs in range(1, max_bs + 1))
         # Split partials, shared by every decode graph (graphs never run concurrently).
@@ -52,14 +59,18 @@ class GraphBuffers:
         bs = batch.batch_size
         if bs > self.max_bs:
             raise ValueError(f"triton attention graph: expected batch size <= {self.max_bs}, got {bs}")
-        if batch.forward_mode is ForwardMode.DECODE:
+        if getattr(key, "ragged", False) and batch.forward_mode is ForwardMode.EXTEND:
+            meta = self._extend_metadata(bs, key.num_tokens)
+            self.ragged.add(key)
+        elif batch.forward_mode is ForwardMode.DECODE:
             meta = self._decode_metadata(bs)
         elif batch.forward_mode is ForwardMode.TARGET_VERIFY or _uniform_draft_extend(batch):
             meta = self._verify_metadata(batch)
         else:
             raise ValueError(
-                "triton attention graph: expected mode decode, target_verify or draft_extend with the same "
-                f"number of tokens in every request (no extend_seq_lens), got {batch.forward_mode.value}"
+                "triton attention graph: expected mode decode, target_verify, draft_extend with the same "
+                "number of tokens in every request (no extend_seq_lens), or extend under a token-bucket key, "
+                f"got {batch.forward_mode.value}"
             )
         self.metadata[key] = meta
         self.refresh(key, batch)
@@ -69,6 +80,13 @@ class GraphBuffers:
         meta = self.metadata[key]
         bs = batch.batch_size
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        if key in self.ragged:
+            if batch.extend_seq_lens is None or batch.extend_prefix_lens is None:
+                raise ValueError("triton attention graph: an extend graph's batch needs extend_seq_lens and "
+                                 "extend_prefix_lens (the graph runner's padded view has them)")
+            torch.cumsum(batch.extend_seq_lens, 0, out=self.extend_qo_indptr[1 : bs + 1])
+            self.extend_prefix_lens[:bs].copy_(batch.extend_prefix_lens)
+            return meta
         if isinstance(meta, DecodeMetadata):
             self.seq_lens[:bs].copy_(batch.seq_lens)
             return meta
@@ -91,6 +109,15 @@ class GraphBuffers:
             num_kv_splits=splits,
             attn_logits=self.attn_logits[: n * self.v_dim].view(bs, self.num_heads, splits, self.v_dim),
             attn_lse=self.attn_lse[:n].view(bs, self.num_heads, splits),
+        )
+
+    def _extend_metadata(self, bs: int, bucket: int) -> ExtendMetadata:
+        """Requests of any lengths sharing `bucket` tokens: the grid spans the whole bucket."""
+        return ExtendMetadata(
+            req_pool_indices=self.req_pool_indices[:bs],
+            qo_indptr=self.extend_qo_indptr[: bs + 1],
+            prefix_lens=self.extend_prefix_lens[:bs],
+            max_q_len=bucket,
         )
 
     def _verify_metadata(self, batch: ForwardBatch) -> ExtendMetadata:
