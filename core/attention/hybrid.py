@@ -35,8 +35,13 @@ class HybridAttnBackend(AttentionBackend):
         return self.decode.forward_decode(q, k, v, layer, batch, **kv_written)
 
     def init_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Both backends' graph state; one without any (its modes captured piecewise or run eagerly:
+        the graph runner captures only what each declared) is skipped."""
         for backend in {id(b): b for b in (self.prefill, self.decode)}.values():
-            backend.init_graph_state(max_bs, max_num_tokens)
+            try:
+                backend.init_graph_state(max_bs, max_num_tokens)
+            except NotImplementedError:
+                pass
 
     def init_metadata_for_capture(self, key: Any, batch: ForwardBatch) -> None:
         self._pick(batch).init_metadata_for_capture(key, batch)

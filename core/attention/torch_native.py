@@ -137,4 +137,6 @@ SPEC = AttentionBackendSpec(
     logit_softcap=True,
     priority=0,
     graph_modes=(),
+    # Host-planned per batch: captured piecewise (graph segments between its eager calls).
+    piecewise_graph_modes=("extend", "decode", "target_verify"),
 )

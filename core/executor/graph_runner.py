@@ -329,7 +329,8 @@ class GraphRunner:
         verify_tpr = self.tokens_per_request.get(ForwardMode.TARGET_VERIFY, 0)
         mask_size = max_bs * verify_tpr * ctx.req_to_token_pool.max_context_len
         self.static = StaticInputs.allocate(max_bs, max_tokens, ctx.device, mask_size)
-        self.backend.init_graph_state(max_bs, max_tokens)
+        if "full" in self.kinds.values():  # piecewise modes plan eagerly: no static metadata
+            self.backend.init_graph_state(max_bs, max_tokens)
         # Every graph writes its fp32 logits into views of this one buffer (only one graph replays at
         # a time): kept outputs of their own would hold a [tokens, vocab] tensor per graph in the pool,
         # and the draft runners capturing later could reuse none of it. Extend graphs need a row per
@@ -428,6 +429,8 @@ class GraphRunner:
 
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)
+        if key.capture == "piecewise":
+            return self._capture_piecewise(key, batch)
         self.backend.init_metadata_for_capture(key, batch)
         forward, ops = self._forward_fn(key)
         # NOTE: bound once for the warm-up runs and the capture (they run the same batch); a replay
@@ -444,6 +447,26 @@ class GraphRunner:
 
         pool = global_graph_pool() if self.ctx.device.type == "cuda" else None
         self.graphs[key], self.outputs[key] = (self.capture_fn or capture_graph)(run, pool)
+
+    def _capture_piecewise(self, key: GraphKey, batch: ForwardBatch) -> None:
+        """Capture `key` in segments around the attention calls (backplane.executor.piecewise); the
+        backend plans eagerly, here for the capture batch and at every replay for the padded one."""
+        from backplane.executor.piecewise import capture_piecewise
+
+        if self.ctx.device.type != "cuda" or self.capture_fn is not None:
+            raise GraphCaptureError(f"piecewise capture of {key} needs a CUDA device and real CUDA graphs")
+        self.backend.init_forward_metadata(batch)
+        bindings = self.prepare_contributors(batch, key)
+        ops = self.ctx.model_ctx.default_ops
+
+        def run(attn_backend):
+            context = ForwardContext(batch=batch, attn_backend=attn_backend, ops=ops, bindings=bindings,
+                                     capture_hidden=key.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND),
+                                     logits_out=self.static_logits, graph_key=key)
+            with self.ctx.model_ctx.bind(context):
+                return self.model(batch)
+
+        self.graphs[key], self.outputs[key] = capture_piecewise(run, self.backend, global_graph_pool())
 
     def _forward_fn(self, key: GraphKey):
         """(what a graph of `key` records, with which op table): the model, or its torch.compile
@@ -524,8 +547,12 @@ class GraphRunner:
         key = key or self.key_for(batch)
         padded = pad_into(self.static, batch, key, self.pad_row, self.fill_for(key))
         self.prepare_contributors(padded, key, real=batch)
-        self.backend.init_metadata_for_replay(key, padded)
-        self.graphs[key].replay()
+        if key.capture == "piecewise":  # the attention between the segments plans and runs eagerly
+            self.backend.init_forward_metadata(padded)
+            self.graphs[key].replay(padded)
+        else:
+            self.backend.init_metadata_for_replay(key, padded)
+            self.graphs[key].replay()
         out = self.outputs[key]
         n = batch.num_tokens
         rows = batch.batch_size if key.ragged else n  # extend: one logits row per request

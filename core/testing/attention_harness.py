@@ -113,3 +113,42 @@ class Harness:
         c = self.case
         return AttentionLayerInfo(0, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5,
                                   sliding_window=c.window, logit_softcap=c.softcap)
+
+
+class ExtendWorld:
+    """Requests whose pool rows hold `max_len` placed slots of random K/V; each step extends a
+    random subset over random cached prefixes (about a third of them none), with different new
+    token counts, as EXTEND batches of prefill, chunked prefill and extend over a cached prefix.
+    `pad_row` is an all-zero request row (its tokens read and write the dump slot 0)."""
+
+    def __init__(self, num_reqs: int, max_len: int, dtype, seed: int, device: str, window: int = 0,
+                 softcap: float = 0.0, num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64):
+        case = Case("extend-graph", "extend", (max_len,) * num_reqs, (0,) * num_reqs, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, softcap=softcap)
+        self.h = Harness(case, dtype, device, seed)
+        self.rng, self.max_len = random.Random(seed), max_len
+        self.pad_row = self.h.req_pool.alloc()
+        self.h.req_pool.req_to_token[self.pad_row].zero_()
+
+    def batch(self, new: list[int]) -> ForwardBatch:
+        """An EXTEND batch of len(new) distinct random requests with new[i] new tokens each."""
+        rows = self.rng.sample(self.h.rows, len(new))
+        prefix = [0 if self.rng.random() < 1 / 3 else self.rng.randint(1, self.max_len - n) for n in new]
+        r2t = self.h.req_pool.req_to_token.cpu()
+        locs = torch.cat([r2t[row, p:p + n].long() for row, p, n in zip(rows, prefix, new)])
+        positions = [pos for p, n in zip(prefix, new) for pos in range(p, p + n)]
+        seq = [p + n for p, n in zip(prefix, new)]
+        dev = self.h.device
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=len(new),
+            input_ids=torch.zeros(sum(new), dtype=torch.int64, device=dev), positions=torch.tensor(positions, device=dev),
+            req_pool_indices=torch.tensor(rows, device=dev), seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32), out_cache_loc=locs.to(dev),
+            req_to_token_pool=self.h.req_pool, token_to_kv_pool=self.h.kv_pool)
+        batch.set_extend_lens(prefix, new)
+        return batch
+
+    def split(self, num_tokens: int, num_reqs: int) -> list[int]:
+        """A random composition of `num_tokens` into `num_reqs` positive new-token counts."""
+        cuts = sorted(self.rng.sample(range(1, num_tokens), num_reqs - 1))
+        return [b - a for a, b in zip([0] + cuts, cuts + [num_tokens])]

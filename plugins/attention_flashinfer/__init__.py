@@ -46,7 +46,7 @@ def backplane_register_attention_backends(register):
             dtypes=("float16", "bfloat16"),
             head_dims=(64, 128, 256),
             modes=ALL_MODES,
-            graph_modes=("decode", "target_verify", "draft_extend"),
+            graph_modes=("extend", "decode", "target_verify", "draft_extend"),
             custom_mask=True,
             sliding_window=True,
             logit_softcap=True,

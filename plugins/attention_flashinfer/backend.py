@@ -20,7 +20,7 @@ from backplane.plugins.attention_flashinfer.geometry import ForwardGeometry, Gra
 from backplane.plugins.attention_flashinfer.options import FlashInferOptions
 from backplane.plugins.attention_flashinfer.wrappers import Dims, GraphBinding, LayerRunner, WrapperCache, plan_layer
 
-GRAPH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+GRAPH_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 
 class _ForwardPlan:
@@ -37,8 +37,9 @@ class _ForwardPlan:
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    """FlashInfer attention over the page-size-1 KV pool; every mode, CUDA graphs for decode, verify and
-    uniform draft extends."""
+    """FlashInfer attention over the page-size-1 KV pool; every mode, CUDA graphs for decode, verify,
+    uniform draft extends and token-bucket extends (paged causal prefill, re-planned at every replay:
+    FlashInfer's CUDA-graph prefill plans any query lengths that add up to the captured token count)."""
 
     def __init__(self, ctx: AttentionBackendContext):
         self.ctx = ctx
@@ -69,6 +70,8 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"flashinfer attention: CUDA graphs support modes {[m.value for m in GRAPH_MODES]}, "
                 f"got {batch.forward_mode.value}"
             )
+        if batch.forward_mode is ForwardMode.EXTEND and not getattr(key, "ragged", False):
+            raise ValueError("flashinfer attention: an EXTEND graph needs a token-bucket key (GraphKey.token_bucket)")
         if batch.forward_mode is ForwardMode.DRAFT_EXTEND and batch.extend_seq_lens is not None:
             raise ValueError("flashinfer attention: a DRAFT_EXTEND graph needs the same number of tokens in every "
                              "request (no extend_seq_lens)")

@@ -6,8 +6,9 @@ A route names the kernels that serve one layer configuration in one forward mode
   ragged+prefix  ragged causal over the new tokens + paged non-causal over the cached prefix,
                  merged through their log-sum-exps (EXTEND with a prefix)
   paged          BatchPrefill paged, causal, over all keys (TARGET_VERIFY / DRAFT_EXTEND without a
-                 mask, and sliding-window layers of an EXTEND with a prefix: the split above
-                 would place the window relative to the prefix, not the query)
+                 mask, sliding-window layers of an EXTEND with a prefix: the split above
+                 would place the window relative to the prefix, not the query, and every EXTEND
+                 inside a CUDA graph: the new keys are in the pool before attention runs)
   masked         BatchPrefill paged over all keys with the batch's custom mask
 """
 
@@ -96,7 +97,7 @@ class ForwardGeometry:
             return DECODE
         if self.custom_mask is not None:
             return MASKED
-        if self.mode is not ForwardMode.EXTEND:
+        if self.mode is not ForwardMode.EXTEND or self.buffers is not None:
             return PAGED
         if not self.has_prefix:
             return RAGGED

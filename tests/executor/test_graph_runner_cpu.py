@@ -17,6 +17,7 @@ from backplane.executor.graph_sizes import (
     GraphParticipant,
     capturable_modes,
     capture_batch_sizes,
+    capture_kinds,
     combine_variants,
     padded_size,
 )
@@ -138,7 +139,10 @@ def test_graph_participants_of_a_runner():
     engine = Engine("tiny-llama", device="cpu", speculative_algorithm=None)
     parts = engine.runner.graph_participants()
     assert parts[0].plugin == "attention.builtin" and parts[0].graph_modes == ()
-    modes, limits = capturable_modes(["decode"], parts)
+    # torch_native plans on the host per batch: its modes are captured piecewise, never in full.
+    assert capture_kinds(["decode", "extend"], parts) == ({"decode": "piecewise", "extend": "piecewise"}, [])
+    no_piecewise = [GraphParticipant(p.plugin, p.item, p.graph_modes, p.serves) for p in parts]
+    modes, limits = capturable_modes(["decode"], no_piecewise)
     assert modes == [] and "plugin 'attention.builtin'" in limits[0].message()
 
 
