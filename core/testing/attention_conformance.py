@@ -7,8 +7,9 @@ In a plugin's test suite:
 
 Each case builds real KV pools with random data at random slots, runs the backend and the
 reference on the same batch, and compares outputs and the K/V written into the pool. Cases the
-backend does not declare (a mode, a head dim, a window, a soft-cap, a custom mask) are left out;
-graph-replay cases run when the backend declares graph modes and CUDA is present.
+backend does not declare (a mode, a head dim, a window, a soft-cap, a custom mask) are left out.
+`make_graph_suite` holds the graph cases: decode, DRAFT_EXTEND and compile with CUDA, and EXTEND
+graphs (full or piecewise, as declared) on CUDA and, through `rerun_capture`, on CPU.
 """
 
 from __future__ import annotations
@@ -124,30 +125,70 @@ def _spec(backend_name: str):
     return specs[backend_name]
 
 
-__all__ = ["Case", "Harness", "base_cases", "check_case", "make_suite", "applicable", "replace"]
+__all__ = ["Case", "Harness", "base_cases", "check_case", "make_suite", "make_graph_suite", "applicable", "replace"]
 
 
-def make_graph_suite(backend_name: str, dtype: torch.dtype = torch.bfloat16):
-    """A pytest test: decode captured at sizes 1, 2, 4, 8, 16 and replayed over random padded
-    batches for many steps equals torch_native; so does a DRAFT_EXTEND of 8 tokens a request when
-    the backend declares draft_extend graphs; and ("compile") decode through the core's opaque
-    attention op inside a torch.compile region, as --enable-torch-compile runs it (skipped without
-    CUDA or graph support)."""
+# Extend graph cases: (case name, layer window, layer soft-cap, the spec flag the case needs).
+EXTEND_GRAPH_CASES = {"extend": (0, 0.0, None), "extend-sliding-window": (8, 0.0, "sliding_window"),
+                      "extend-softcap": (0, 5.0, "logit_softcap")}
+
+
+def make_graph_suite(backend_name: str, dtype: torch.dtype | None = None, device: str | None = None):
+    """A pytest test over the graph cases, each selected by what the backend declares.
+
+    CUDA only (marked `gpu`): decode captured at sizes 1, 2, 4, 8, 16 and replayed over random
+    padded batches for many steps equals torch_native; so does a DRAFT_EXTEND of 8 tokens a
+    request when the backend declares draft_extend graphs; and ("compile") decode through the
+    core's opaque attention op inside a torch.compile region, as --enable-torch-compile runs it.
+
+    On CUDA and on CPU (not marked): "extend", "extend-sliding-window", "extend-softcap" when the
+    backend declares "extend" in graph_modes (full capture) or piecewise_graph_modes (and the
+    window / soft-cap): random ragged EXTEND batches padded into the runner's (request slots,
+    token bucket) keys, each key captured once and replayed over many batches (see
+    `graph_conformance.check_extend_graph_replay`); on CPU the capture is `rerun_capture`.
+    device: "cuda" when available, else "cpu"; dtype: bf16 on cuda, fp32 on cpu.
+    """
     import pytest
 
-    @pytest.mark.gpu
-    @pytest.mark.parametrize("mode", ["decode", "draft_extend", "compile"])
+    gpu = pytest.mark.gpu
+    params = [pytest.param(m, marks=gpu) for m in ("decode", "draft_extend", "compile")] + list(EXTEND_GRAPH_CASES)
+
+    @pytest.mark.parametrize("mode", params)
     def test_attention_graph_conformance(mode):
+        spec = _spec(backend_name)
+        if mode in EXTEND_GRAPH_CASES:
+            return _extend_graph_case(spec, backend_name, mode, device, dtype)
         if not torch.cuda.is_available():
             pytest.skip("graph replay needs CUDA")
-        spec = _spec(backend_name)
         if spec.available() or (mode != "compile" and mode not in spec.graph_modes):
             pytest.skip(f"{backend_name}: {spec.available() or f'declares no {mode} graphs'}")
         from backplane.testing.graph_conformance import check_compiled_decode, check_graph_replay
 
         if mode == "compile":
-            check_compiled_decode(spec, dtype)
+            check_compiled_decode(spec, dtype or torch.bfloat16)
         else:
-            check_graph_replay(spec, dtype, tokens=1 if mode == "decode" else 8)
+            check_graph_replay(spec, dtype or torch.bfloat16, tokens=1 if mode == "decode" else 8)
 
     return test_attention_graph_conformance
+
+
+def _extend_graph_case(spec, backend_name: str, case: str, device: str | None, dtype: torch.dtype | None) -> None:
+    import pytest
+
+    from backplane.testing.graph_conformance import check_extend_graph_replay, extend_graph_kind
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or default_dtype(device)
+    window, softcap, flag = EXTEND_GRAPH_CASES[case]
+    reason = (spec.available() or (device not in spec.platforms and f"backend does not run on {device}")
+              or (str(dtype).removeprefix("torch.") not in spec.dtypes and f"dtype {dtype} not declared")
+              or (spec.head_dims is not None and 64 not in spec.head_dims and "head dim 64 not declared")
+              or (extend_graph_kind(spec) is None and "declares no extend graphs (full or piecewise)")
+              or (flag and not getattr(spec, flag) and f"{flag} not declared"))
+    if reason:
+        pytest.skip(f"{backend_name}: {reason}")
+    if device == "cuda":  # the runner's default ladders, shortened: buckets 8..256, 1..8 requests
+        check_extend_graph_replay(spec, dtype, device, window=4 * window, softcap=softcap)
+    else:  # the interpreter is slow: buckets 8, 16, 32 of 1, 2, 4 requests
+        check_extend_graph_replay(spec, dtype, device, max_tokens=32, max_requests=4, replays_per_key=2,
+                                  window=window, softcap=softcap, num_heads=4)

@@ -1,4 +1,5 @@
-"""What the attention conformance suites share: tolerances, a case, and a harness of real pools.
+"""What the attention conformance suites share: tolerances, a case, a harness of real pools, and
+the world of random ragged EXTEND batches the extend graph cases replay.
 
 Used by `attention_conformance` (eager cases) and `graph_conformance` (graph replay, compile), so
 neither imports the other.
