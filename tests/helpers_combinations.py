@@ -2,7 +2,8 @@
 test (tests/gpu/test_combinations_gpu.py).
 
 A `Cell` is one combination: prefill and decode attention backends, LoRA backend (or none),
-speculative algorithm (or none), torch.compile, CUDA graphs. `run_cell` builds an Engine for it
+speculative algorithm (or none), torch.compile, CUDA graphs, and with graphs whether EXTEND is
+captured too (extend graphs, off with --disable-extend-graph). `run_cell` builds an Engine for it
 and generates greedily for one mixed batch (two adapters and base requests of different lengths
 and output lengths; six requests, so a batch pads up to a captured size of 8), then compares every
 request with the fp32 Hugging Face reference (the PEFT-merged model for an adapter's requests).
@@ -59,12 +60,14 @@ class Cell:
     spec: str | None = None
     compile: bool = False
     graphs: bool = False
+    extend_graphs: bool = True  # False: --disable-extend-graph (only decode-like modes captured)
 
     @property
     def label(self) -> str:
         attn = self.prefill if self.prefill == self.decode else f"{self.prefill}+{self.decode}"
         return (f"attn={attn} lora={self.lora or 'none'} spec={self.spec or 'none'} "
-                f"compile={'on' if self.compile else 'off'} graphs={'on' if self.graphs else 'off'}")
+                f"compile={'on' if self.compile else 'off'} graphs={'on' if self.graphs else 'off'}"
+                + ("" if self.extend_graphs else " extend-graphs=off"))
 
     @property
     def test_id(self) -> str:
@@ -74,7 +77,7 @@ class Cell:
     def engine_kwargs(self, world: MatrixWorld) -> dict:
         kw: dict = dict(prefill_attention_backend=self.prefill, decode_attention_backend=self.decode,
                         attention_backend=self.prefill, enable_torch_compile=self.compile,
-                        disable_cuda_graph=not self.graphs)
+                        disable_cuda_graph=not self.graphs, disable_extend_graph=not self.extend_graphs)
         if self.lora:
             kw.update(lora_paths=world.lora.lora_paths(), lora_backend=self.lora, max_loras_per_batch=2)
         if self.spec:
@@ -168,8 +171,9 @@ def run_cell(world: MatrixWorld, cell: Cell, tie_fraction: float, **settings) ->
             except ValueError as exc:
                 return CellResult(cell.label, "refused", str(exc), seconds=time.perf_counter() - start)
             params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_NEW]
+            extend_replays = _count_extend_replays(engine)
             outs = engine.generate(input_ids=PROMPTS, sampling_params=params, lora=adapters if cell.lora else None)
-        problems = _setup_problems(engine, cell, calls)
+        problems = _setup_problems(engine, cell, calls) + _extend_graph_problems(engine, cell, extend_replays)
         ties = []
         for i, (out, adapter) in enumerate(zip(outs, adapters)):
             problem, tie = compare(i, out, world.reference(i, adapter), tie_fraction)
@@ -203,6 +207,42 @@ def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]
     if cell.graphs and on_gpu and cell.decode != "torch_native" and engine.runner.graph_runner is None:
         problems.append("graphs on, but no CUDA graph was captured")
     return problems
+
+
+def _count_extend_replays(engine: Engine) -> list[int]:
+    """Wrap the target runner's graph replay (when graphs were captured): the list gets the number
+    of tokens of every EXTEND batch that replays a graph."""
+    graphs, counts = engine.runner.graph_runner, []
+    if graphs is None:
+        return counts
+    replay = graphs.replay
+
+    def counted(batch, key=None):
+        if batch.forward_mode.value == "extend":
+            counts.append(batch.num_tokens)
+        return replay(batch, key)
+
+    graphs.replay = counted
+    return counts
+
+
+def _extend_graph_problems(engine: Engine, cell: Cell, extend_replays: list[int]) -> list[str]:
+    """--disable-extend-graph is taken as asked; with graphs on the GPU, EXTEND is captured (and
+    the prefills replay) unless a plugin's declared limit says why not, and never when disabled."""
+    runner = engine.runner
+    if runner.args.disable_extend_graph == cell.extend_graphs:
+        return [f"disable_extend_graph is {runner.args.disable_extend_graph}, the cell asked extend graphs "
+                f"{'on' if cell.extend_graphs else 'off'}"]
+    graphs = runner.graph_runner
+    captured = graphs is not None and any(m.value == "extend" for m in graphs.kinds)
+    if not cell.extend_graphs:
+        return ["--disable-extend-graph, but EXTEND graphs were captured"] if captured or extend_replays else []
+    if not (cell.graphs and runner.device.type == "cuda" and graphs is not None):
+        return []
+    limited = any(limit.mode == "extend" for limit in runner.graph_mode_limits)
+    if not captured:
+        return [] if limited else ["extend graphs on, but EXTEND was neither captured nor limited by a plugin"]
+    return [] if extend_replays else ["EXTEND graphs captured, but no prefill replayed one"]
 
 
 def compare(index: int, out, ref: Reference, tie_fraction: float) -> tuple[str | None, tuple | None]:

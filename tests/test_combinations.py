@@ -5,7 +5,8 @@ helpers_combinations.py has the cell logic, shared with tests/gpu/test_combinati
 
 CPU has no CUDA graphs (the engine logs that and runs eagerly), so graphs are off here but for
 one cell that asks for them (LoRA torch_native with ngram) and must run eagerly with the same
-output. The cells are a subset that keeps the matrix near a minute on two cores:
+output. The extend-graphs axis matters only where graphs are captured (the GPU); here one cell
+(ngram, graphs asked for) passes --disable-extend-graph, which must be accepted and change nothing. The cells are a subset that keeps the matrix near a minute on two cores:
 - torch_native attention: the full product LoRA {none, torch_native, triton} x speculation
   {none, ngram, eagle}, compile off (9 cells);
 - torch.compile (torch_native only: compiled attention on CPU is the torch_native backend): the
@@ -35,6 +36,7 @@ CELLS = (
     + [Cell("torch_native", "torch_native", lora, spec, compile=True) for lora, spec in zip(LORA, SPEC)]
     + [Cell(*c["attention"], c["lora"], c["spec"]) for c in pairwise({"attention": SPLITS, "lora": LORA, "spec": SPEC})]
     + [Cell("torch_native", "torch_native", "torch_native", "ngram", graphs=True)]
+    + [Cell("torch_native", "torch_native", None, "ngram", graphs=True, extend_graphs=False)]
 )
 SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8)
 
@@ -48,6 +50,15 @@ def test_pairwise_covers_every_pair():
     assert len(chosen) <= 10  # 9 is the least for three axes of three; the greedy is one over
     for a, b in [("attention", "lora"), ("attention", "spec"), ("lora", "spec")]:
         assert {(c[a], c[b]) for c in chosen} == {(x, y) for x in axes[a] for y in axes[b]}
+
+
+def test_extend_graph_axis_in_labels_and_flags():
+    """The axis shows in the label only when off (older labels stay) and reaches the Engine's flag."""
+    on, off = Cell("triton", "triton", graphs=True), Cell("triton", "triton", graphs=True, extend_graphs=False)
+    assert on.label.endswith("graphs=on") and off.label.endswith("graphs=on extend-graphs=off")
+    assert on.engine_kwargs(None)["disable_extend_graph"] is False
+    assert off.engine_kwargs(None)["disable_extend_graph"] is True
+    assert len({c.label for c in CELLS}) == len(CELLS)
 
 
 def test_tie_rule_and_refusal_lines():
