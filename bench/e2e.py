@@ -11,6 +11,7 @@ prefill does its matmul FLOPs at the bf16 matmul peak; all requests in one batch
 
     python -m bench.e2e --model llama-3.2-1b --backends triton flashinfer --repeats 3
     python -m bench.e2e --workloads shared-prefix distinct --cache on off           # the radix cache's gain
+    python -m bench.e2e --workloads sharegpt-like --extend-graph on off             # extend graphs' gain
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from bench import report, steps
 from bench.timing import MATMUL_PEAK_FLOP_S, copy_tb_s
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
-COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("cache", "cache", ""), ("tok/s", "tok_s", ".0f"),
+COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("cache", "cache", ""),
+           ("extend graph", "extend_graph", ""), ("tok/s", "tok_s", ".0f"),
            ("TPOT ms", "tpot_ms", ".2f"), ("TTFT ms", "ttft_ms", ".0f"), ("prefill tokens", "prefill_tokens", "d"),
            ("floor tok/s", "floor_tok_s", ".0f"), ("of floor", "of_floor", ".0%"), ("runs s", "runs", "")]
 
@@ -33,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
     p.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"], help="radix cache settings, each an engine")
+    p.add_argument("--extend-graph", nargs="+", choices=["on", "off"], default=["on"],
+                   help="extend (prefill) CUDA graphs on or off (--disable-extend-graph), each an engine")
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"],
                    choices=["fixed", "sharegpt-like", "shared-prefix", "distinct"])
     p.add_argument("--requests", type=int, default=256)
@@ -96,21 +100,24 @@ def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float)
             "graphs_cover_batch": graphs is not None and max(graphs.sizes) >= min(len(batch), ns.max_running)}
 
 
-def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float) -> list[dict]:
+def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float, extend_graph: str = "on") -> list[dict]:
     # Graphs up to the running batch: past --cuda-graph-max-bs (160 by default) a decode step runs
     # eagerly, which on a small model costs several times the replayed step.
     settings = dict(model=ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
-                    cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off")
+                    cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off",
+                    disable_extend_graph=extend_graph == "off")
     rows = steps.with_engine(settings, lambda engine: [run_workload(ns, engine, kind, tb_s) for kind in ns.workloads])
-    return [r | {"backend": backend, "cache": cache} for r in rows]
+    return [r | {"backend": backend, "cache": cache, "extend_graph": extend_graph} for r in rows]
 
 
-def cache_gains(rows: list[dict]) -> list[str]:
-    """Per workload and backend measured with the cache on and off: on / off in tokens/s."""
-    by = {(r["workload"], r["backend"], r["cache"]): r for r in rows}
-    return [f"{w} {b}: cache on / off = {by[(w, b, 'on')]['tok_s'] / r['tok_s']:.2f}x "
-            f"(prefill tokens {by[(w, b, 'on')]['prefill_tokens']} / {r['prefill_tokens']})"
-            for (w, b, c), r in by.items() if c == "off" and (w, b, "on") in by]
+def gains(rows: list[dict], setting: str) -> list[str]:
+    """Per workload and backend (and the other setting) measured with `setting` ("cache" or
+    "extend_graph") on and off: on / off in tokens/s."""
+    other = "extend_graph" if setting == "cache" else "cache"
+    by = {(r["workload"], r["backend"], r[other], r[setting]): r for r in rows}
+    return [f"{w} {b} ({other} {o}): {setting} on / off = {by[(w, b, o, 'on')]['tok_s'] / r['tok_s']:.2f}x "
+            f"(prefill tokens {by[(w, b, o, 'on')]['prefill_tokens']} / {r['prefill_tokens']})"
+            for (w, b, o, c), r in by.items() if c == "off" and (w, b, o, "on") in by]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -118,11 +125,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tb_s, rows = copy_tb_s(ns.device), []
     for backend in ns.backends:
         for cache in ns.cache:
-            rows += run_engine(ns, backend, cache, tb_s)
-            payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
-            report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
+            for extend_graph in ns.extend_graph:
+                rows += run_engine(ns, backend, cache, tb_s, extend_graph)
+                payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
+                report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
     print(report.table(sorted(rows, key=lambda r: r["workload"]), COLUMNS, f"{ns.model}, copy {tb_s:.2f} TB/s"))
-    print("\n".join(cache_gains(rows)))
+    print("\n".join(gains(rows, "cache") + gains(rows, "extend_graph")))
     return rows
 
 

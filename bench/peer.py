@@ -1,19 +1,22 @@
 """The peer: a plain-PyTorch Llama (gpt-fast's shape of loop) with a static KV cache and random
-weights, under torch.compile(mode="reduce-overhead"), decoding and prefilling the engine's shapes in
-the engine's process. The engine is compared with it side by side (bench/decode.py, bench/prefill.py)."""
+weights, under torch.compile(mode="reduce-overhead") (or max-autotune-no-cudagraphs and a CUDA graph
+per shape), decoding, prefilling and extending over a cached prefix at the engine's shapes in the
+engine's process. The engine is compared with it side by side (bench/decode.py, bench/prefill.py,
+bench/ttft.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from bench.timing import device_kernels, profiled, timed, wall_ms
+from bench.timing import captured, device_kernels, profiled, timed, wall_ms
 
 
 class PeerLlama(torch.nn.Module):
-    """forward(ids [bs, T], pos [1]: the position of ids[:, 0]) -> the next greedy ids [bs].
+    """forward(ids [bs, T], pos [1]: the position of ids[:, 0], over_cache) -> the next greedy ids [bs].
 
-    T == 1 decodes over the cache (a mask hides the positions not yet written); T > 1 is a causal
+    T == 1, or over_cache, attends over the cache (a mask hides each token's later positions: a
+    decode step, or an extend of T tokens after `pos` cached ones); else T tokens are a causal
     prefill from position 0 over the new tokens alone. Attention is SDPA with enable_gqa (it beat
     gpt-fast's K/V heads repeated to the query heads at every size measured)."""
 
@@ -57,7 +60,7 @@ class PeerLlama(torch.nn.Module):
         x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, over_cache: bool = False) -> torch.Tensor:
         bs, t = ids.shape
         positions = pos + self.arange[:t]  # [T]
         x = self.embed[ids]  # [bs, T, h]
@@ -70,28 +73,31 @@ class PeerLlama(torch.nn.Module):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             k_cache[:, :, positions] = k  # index_put in place
             v_cache[:, :, positions] = v
-            att = self.attend(q, k_cache, v_cache, pos) if t == 1 else self.causal(q, k, v)
+            att = self.attend(q, k_cache, v_cache, positions) if t == 1 or over_cache else self.causal(q, k, v)
             x = x + att.transpose(1, 2).reshape(bs, t, -1) @ self.o[i].t()
             gate, up = (self.rms(x, 2 * i + 1) @ self.gate_up[i].t()).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ self.down[i].t()
         return (self.rms(x[:, -1], -1) @ self.lm_head.t()).argmax(dim=-1)
 
-    def attend(self, q, k, v, pos):
-        """One query per request over the cache: positions after `pos` are masked."""
-        mask = (self.arange <= pos).view(1, 1, 1, -1)
+    def attend(self, q, k, v, positions):
+        """Queries at `positions` [T] over the cache: each one's later positions are masked."""
+        mask = (self.arange.view(1, -1) <= positions.view(-1, 1)).view(1, 1, positions.shape[0], -1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh > self.nkv)
 
     def causal(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.nh > self.nkv)
 
 
-def build(cfg, bs: int, max_len: int, device: torch.device, compile_: bool):
-    """(the peer, its step function): compiled with mode="reduce-overhead" unless compile_ is False.
-    Dynamo is reset first: several peers of one forward would pass its recompile limit."""
+COMPILE_MODES = ("reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def build(cfg, bs: int, max_len: int, device: torch.device, compile_: bool, mode: str = "reduce-overhead"):
+    """(the peer, its step function): compiled with `mode` (one specialisation per shape) unless
+    compile_ is False. Dynamo is reset first: several peers of one forward would pass its recompile limit."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = PeerLlama(cfg, bs, max_len, dtype, device)
     torch._dynamo.reset()
-    return model, (torch.compile(model, mode="reduce-overhead", fullgraph=True) if compile_ else model)
+    return model, (torch.compile(model, mode=mode, fullgraph=True, dynamic=False) if compile_ else model)
 
 
 @torch.inference_mode()
@@ -125,3 +131,34 @@ def prefill_ms(cfg, bs: int, length: int, device: torch.device, compile_: bool, 
     ids = torch.randint(3, min(1000, cfg.vocab_size), (bs, length), device=device)
     pos = torch.zeros(1, dtype=torch.long, device=device)
     return wall_ms(lambda: step(ids, pos).clone(), device, repeats, warmup=3)
+
+
+@torch.inference_mode()
+def extend_ms(cfg, cases: list[tuple[int, int]], device: torch.device, compile_: bool, repeats: int = 10,
+              mode: str = "reduce-overhead", decode_steps: int = 32) -> dict[tuple[int, int], float]:
+    """{(prefix, new): median ms of one synchronised call} of one request's `new` tokens after
+    `prefix` cached ones (prefix 0: a fresh causal prefill; the cache's contents are random: only
+    the time counts), each shape compiled once on one peer; with decode_steps, also
+    {(prefix, 0): ms per step} of decode_steps back-to-back one-token calls at position `prefix`
+    (no step waits for the host), for every case of one new token. Under max-autotune-no-cudagraphs
+    each shape's call is captured in a CUDA graph of its own (as reduce-overhead does by itself)."""
+    _, step = build(cfg, 1, max(p + n for p, n in cases) + 8, device, compile_, mode)
+    times: dict[tuple[int, int], float] = {}
+    for prefix, new in cases:
+        call = _call(step, cfg, prefix, new, device, compile_ and mode != "reduce-overhead")
+        times[(prefix, new)] = wall_ms(call, device, repeats, warmup=3)
+        if new == 1 and decode_steps:
+            times[(prefix, 0)] = timed(lambda c=call: [c() for _ in range(decode_steps)], device)[0] * 1e3 / decode_steps
+    return times
+
+
+def _call(step, cfg, prefix: int, new: int, device: torch.device, graph: bool):
+    """A no-argument call of `step` on `new` random ids at position `prefix`; replayed from a CUDA
+    graph when `graph` (on CUDA)."""
+    ids = torch.randint(3, min(1000, cfg.vocab_size), (1, new), device=device)
+    pos = torch.tensor([prefix], device=device)  # 1-D: a 0-d index is data-dependent to dynamo
+
+    def call():
+        return step(ids, pos, over_cache=prefix > 0).clone()
+
+    return captured(call)[0] if graph and device.type == "cuda" else call

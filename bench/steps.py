@@ -6,6 +6,7 @@ one-batch step eager and through graphs.)"""
 from __future__ import annotations
 
 import gc
+import time
 from typing import Callable, TypeVar
 
 import torch
@@ -17,14 +18,19 @@ from bench.timing import device_gaps, device_kernels, events_ms, profiled, timed
 T = TypeVar("T")
 
 
-def with_engines(settings: dict[str, dict], fn: Callable[[dict[str, Engine]], T]) -> T:
-    """fn({name: Engine(**settings[name])}), the engines built side by side ("model" among the settings);
-    then, an error included, every engine shut down and its memory given back, so that the next engine
-    or the peer finds the device empty. fn's return value must not hold an engine."""
+def with_engines(settings: dict[str, dict], fn: Callable[[dict[str, Engine]], T],
+                 startup_s: dict[str, float] | None = None) -> T:
+    """fn({name: Engine(**settings[name])}), the engines built side by side ("model" among the settings),
+    in order, the seconds each took to build written to `startup_s`; then, an error included, every
+    engine shut down and its memory given back, so that the next engine or the peer finds the device
+    empty. fn's return value must not hold an engine."""
     engines: dict[str, Engine] = {}
     try:
         for name, kwargs in settings.items():
+            start = time.perf_counter()
             engines[name] = Engine(**kwargs)
+            if startup_s is not None:
+                startup_s[name] = time.perf_counter() - start
         return fn(engines)
     finally:
         while engines:  # NOTE: popped, no name left bound: fn has returned, so the collection frees them
@@ -93,11 +99,19 @@ def replay_ms(engine: Engine, bs: int, reps: int = 50) -> float | None:
 
 
 def graph_capture(engine: Engine) -> dict:
-    """Seconds and pool megabytes the engine's graph capture took, and the batch sizes captured."""
+    """What the engine's graph capture took (seconds, graph pool and device megabytes), the graphs
+    captured, the decode batch sizes, and the extend graphs' capture kind ("full", "piecewise", None
+    for none), token buckets and request slots."""
+    from backplane.contracts.batch import ForwardMode
+
     graphs = engine.runner.graph_runner
     if graphs is None:
-        return {"capture_s": None, "graph_mb": None, "sizes": []}
-    return {"capture_s": graphs.capture_seconds, "graph_mb": graphs.graph_memory_bytes / 2**20, "sizes": graphs.sizes}
+        return {"capture_s": None, "graph_mb": None, "device_mb": None, "graphs": 0, "sizes": [], "extend": None,
+                "extend_buckets": [], "extend_sizes": []}
+    return {"capture_s": graphs.capture_seconds, "graph_mb": graphs.graph_memory_bytes / 2**20,
+            "device_mb": graphs.device_memory_bytes / 2**20, "graphs": len(graphs.graphs), "sizes": graphs.sizes,
+            "extend": graphs.kinds.get(ForwardMode.EXTEND), "extend_buckets": graphs.extend_buckets,
+            "extend_sizes": graphs.extend_sizes}
 
 
 def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=None) -> dict:

@@ -33,3 +33,18 @@ def test_the_floor_reads_weights_and_kv_per_step_and_does_the_prefill_flops():
     # one request of 2 input / 3 output tokens: 2 decode steps over 3 and 4 tokens of KV
     seconds = e2e.floor_seconds([(2, 3)], weights=100, kv_per_token=10, matmul_params=1000, tb_s=1e-12)
     assert seconds == pytest.approx(2 * 100 + 10 * 7 + 2 * 1000 * 2 / e2e.MATMUL_PEAK_FLOP_S)
+
+
+def test_e2e_builds_an_engine_per_extend_graph_setting_and_sets_their_gain_side_by_side(monkeypatch):
+    built = []
+
+    def fake_engine(settings, fn):
+        built.append(settings["disable_extend_graph"])
+        return [{"workload": "fixed", "tok_s": 200.0 if settings["disable_extend_graph"] else 300.0, "prefill_tokens": 8}]
+
+    monkeypatch.setattr(e2e.steps, "with_engine", fake_engine)
+    ns = e2e.parse_args(["--extend-graph", "on", "off", "--backends", "triton"])
+    rows = [r for g in ns.extend_graph for r in e2e.run_engine(ns, "triton", "on", 1.0, g)]
+    assert built == [False, True] and [r["extend_graph"] for r in rows] == ["on", "off"]
+    assert e2e.gains(rows, "extend_graph") == ["fixed triton (cache on): extend_graph on / off = 1.50x (prefill tokens 8 / 8)"]
+    assert e2e.gains(rows, "cache") == []
