@@ -13,7 +13,11 @@ backend, wraps the model's projections, and then takes part in two loops:
   LoraBatchInfo or None}, in the forward's ForwardContext, where the LoRA layers read it. Graphs
   are keyed by LoRA on/off; a base-only batch has no "lora" input and runs without LoRA kernels.
   Captured graphs read `graph_info`, whose buffers are rewritten in place at replay (padded
-  requests use slot 0).
+  requests use slot 0). Decode and verify graphs hold key.tokens_per_request tokens per request;
+  extend graphs (ragged keys) hold a token bucket shared by requests of any lengths, whose padded
+  requests' segments are the padded view's extend lengths, so the segments cover exactly the
+  bucket's tokens in the graph's layout. Which of these modes are captured is the backend's
+  `LoraBackendSpec.graph_modes` (with supports_graph).
 
 Eager batches use `info`; replay copies their segments into `graph_info`, so an eager run of the
 same batch after a replay (as tests do) still sees its own segments.
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GRAPH_MODES = ("decode", "target_verify")
+GRAPH_MODES = ("decode", "target_verify", "extend")  # the modes prepare_graph_batch binds
 LORA = "lora"  # the name of its plugin input and of its forward binding
 
 
@@ -226,8 +230,10 @@ class LoraManager:
         return {LORA: info}
 
     def graph_participant(self) -> GraphParticipant:
+        """The LoRA backend's graph modes: those its spec declares (graph_modes, with supports_graph)
+        that this manager can bind."""
         spec = self.selection.spec
-        modes = GRAPH_MODES if spec.supports_graph else ()
+        modes = tuple(m for m in spec.graph_modes if m in GRAPH_MODES) if spec.supports_graph else ()
         return GraphParticipant(self.selection.plugin, f"LoRA backend {spec.name!r}", modes)
 
     def graph_variants(self) -> list[tuple]:
@@ -238,20 +244,26 @@ class LoraManager:
 
     def prepare_graph_batch(self, batch: Any, key: Any, real: Any = None) -> dict[str, LoraBatchInfo | None]:
         """The binding of a graph batch: graph_info bound for capture (real None: every request base
-        only), or `real`'s segments copied into it for replay (padded requests: slot 0,
-        key.tokens_per_request tokens each); {"lora": None} for a LoRA-off graph."""
+        only), or `real`'s segments copied into it for replay, padded requests on slot 0; {"lora":
+        None} for a LoRA-off graph. `batch` is the padded view. Segments cover the key's tokens:
+        key.tokens_per_request per request for a uniform key, the view's extend lengths for a
+        ragged (extend) key, whose padded request takes the bucket's spare tokens."""
         if not dict(key.extras).get(LORA, False):
             return {LORA: None}
-        tpr = key.tokens_per_request
+        seg_lens = graph_segment_lens(batch, key)
         if real is None:
             self._ensure_graph_state()
-            info = self.graph_info.update_([tpr] * key.batch_size, [0] * key.batch_size)
+            info = self.graph_info.update_(seg_lens, [0] * key.batch_size)
             self.backend.init_metadata_for_capture(key, self.graph_info)
             return {LORA: info}
         segments = real.plugin_inputs[LORA]
         self._ensure_resident(segments)
-        pad = key.batch_size - real.batch_size
-        info = self.graph_info.update_(list(segments.seg_lens) + [tpr] * pad, list(segments.slots) + [0] * pad)
+        bs = real.batch_size
+        if len(segments.seg_lens) != bs or sum(segments.seg_lens) != real.num_tokens:
+            raise ValueError(f"LoRA graph replay: expected one segment per request ({bs}) covering the batch's "
+                             f"{real.num_tokens} tokens, got seg_lens {list(segments.seg_lens)}")
+        info = self.graph_info.update_(list(segments.seg_lens) + seg_lens[bs:],
+                                       list(segments.slots) + [0] * (key.batch_size - bs))
         self.backend.init_metadata_for_replay(key, self.graph_info)
         return {LORA: info}
 
@@ -270,6 +282,22 @@ class LoraManager:
                          for name, a in self.adapters.items()},
             "max_lora_rank": self.max_rank, "max_loras_per_batch": self.max_loras_per_batch,
         }
+
+
+def graph_segment_lens(batch: Any, key: Any) -> list[int]:
+    """Tokens per request of a graph batch of `key` (`batch`: the capture batch or the padded view):
+    key.tokens_per_request each for a uniform key; for a ragged key the view's extend lengths
+    (the capture batch's [T - (B - 1), 1, ..., 1]; at replay the real requests' new tokens, then
+    the padded request's share of the bucket and zeros), which must fill the bucket exactly."""
+    if not key.ragged:
+        return [key.tokens_per_request] * key.batch_size
+    if batch.extend_seq_lens_cpu is None:
+        raise ValueError("LoRA graph batch: an extend graph batch needs extend_seq_lens_cpu, got None")
+    lens = [int(n) for n in batch.extend_seq_lens_cpu.tolist()]
+    if len(lens) != key.batch_size or sum(lens) != key.num_tokens:
+        raise ValueError(f"LoRA graph batch: expected {key.batch_size} extend lengths summing to the bucket's "
+                         f"{key.num_tokens} tokens, got {lens}")
+    return lens
 
 
 def attach_lora(runner: ModelRunner) -> LoraManager | None:

@@ -1,11 +1,15 @@
 """The torch_native LoRA backend: plain matmuls, the reference every other LoRA backend is tested against.
 
 Eager: a loop over the segments with host lengths (the clearest statement of the contract).
-Inside a CUDA graph capture (or with graph_safe=True): a loop over the slots with per-token masks,
-whose shapes depend only on T and num_slots, so a replay with other segments stays correct.
+For a graph key (bound by init_metadata_for_capture / _for_replay), inside any CUDA graph capture,
+or with graph_safe=True: a loop over the slots with per-token masks read from the batch info's
+device buffers, whose shapes depend only on T and num_slots, so a replay with other segments (any
+lengths at the key's token count: decode, verify and ragged extend keys alike) stays correct.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -17,15 +21,23 @@ from backplane.plugin.registry import LoraBackendSpec
 class TorchNativeLoraBackend(LoraBackend):
     """Reference LoRA arithmetic in plain torch; works on any device and dtype.
 
-    graph_safe: always use the slot-loop path (otherwise only while a CUDA graph is captured).
+    graph_safe: always use the slot-loop path (otherwise for graph keys and while a CUDA graph is
+    captured).
     """
 
     def __init__(self, ctx: LoraBackendContext, graph_safe: bool = False) -> None:
         super().__init__(ctx)
         self.graph_safe = graph_safe
+        self._graph_bound = False  # the batch info was bound for a graph key: the slot loop
 
     def prepare_batch(self, batch_info: LoraBatchInfo) -> None:
-        self.batch_info = batch_info
+        self.batch_info, self._graph_bound = batch_info, False
+
+    def init_metadata_for_capture(self, key: Any, batch_info: LoraBatchInfo) -> None:
+        self.batch_info, self._graph_bound = batch_info, True
+
+    def init_metadata_for_replay(self, key: Any, batch_info: LoraBatchInfo) -> None:
+        self.batch_info, self._graph_bound = batch_info, True
 
     def lora_a(self, x: torch.Tensor, a_weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
         # x: [T, K]; a_weights: [num_slots, num_slices * R_max, K]; y: [T, num_slices * R_max]
@@ -65,7 +77,9 @@ class TorchNativeLoraBackend(LoraBackend):
         return self.batch_info
 
     def _use_slot_loop(self) -> bool:
-        return self.graph_safe or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        if self.graph_safe or self._graph_bound:
+            return True
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
     def _segments(self):
         """Yield (start, end, slot, rank) of every segment, from the host mirrors."""
@@ -109,5 +123,6 @@ SPEC = LoraBackendSpec(
     description="plain torch matmuls per segment; the reference (slow)",
     platforms=("cpu", "cuda"),
     supports_graph=True,
+    graph_modes=("decode", "target_verify", "extend"),  # graph keys take the per-token slot loop
     priority=0,
 )

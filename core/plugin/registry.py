@@ -19,6 +19,8 @@ def _always_available() -> str | None:
 # What a backend that does not say otherwise serves. TARGET_VERIFY is left out: it attends under
 # the draft tree's custom mask, which a backend must declare (custom_mask=True) before it may claim it.
 DEFAULT_MODES = ("extend", "decode", "draft_extend")
+# A LoRA backend with supports_graph: the uniform modes (every request the same number of tokens)
+LORA_UNIFORM_GRAPH_MODES = ("decode", "target_verify")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,10 @@ class LoraBackendSpec:
     """A LoRA backend. factory(ctx: LoraBackendContext) -> LoraBackend.
 
     Defaults: platforms and dtypes all; max_rank None (any); supports_graph False (eager only
-    unless declared); priority 0; available() always; install_hint "".
+    unless declared); graph_modes LORA_UNIFORM_GRAPH_MODES (decode, target_verify): the modes a
+    backend with supports_graph=True runs inside CUDA graphs (ignored without it); add "extend"
+    only for a backend whose graph kernels take segments of any lengths at a fixed token count
+    (ragged extend keys); priority 0; available() always; install_hint "".
     """
 
     name: str
@@ -80,6 +85,7 @@ class LoraBackendSpec:
     dtypes: tuple[str, ...] = ALL_DTYPES
     max_rank: int | None = None
     supports_graph: bool = False
+    graph_modes: tuple[str, ...] = LORA_UNIFORM_GRAPH_MODES
     priority: int = 0
     available: Callable[[], str | None] = _always_available
     install_hint: str = ""

@@ -45,6 +45,8 @@ def backplane_register_lora_backends(register):
             # NOTE: the interpreter's tl.dot is wrong on bfloat16 operands
             dtypes=("float32", "float16") if _interpreted() else ("float32", "float16", "bfloat16"),
             supports_graph=True,
+            # extend too: tile tables on the device, a grid sized for the bucket's worst case (plan.py)
+            graph_modes=("decode", "target_verify", "extend"),
             # Interpreted kernels are for tests: `auto` must never prefer them to torch_native.
             priority=-50 if _interpreted() else 50,
             available=_available,

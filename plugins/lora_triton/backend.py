@@ -8,6 +8,11 @@ host (plan.py) into fixed buffers, lazily for decode-sized batches; each product
 whose grid depends only on tensor shapes and the tile height chosen for the graph key, so the same
 code path serves eager runs, graph capture and replay. A graph re-plans at replay only when its
 capture used the separate products.
+
+Extend graphs (ragged keys: segments of any lengths, a padded one on slot 0, at the bucket's fixed
+token count) need nothing more: the fused and folded kernels read the per-token slots on the
+device, and the segmented kernels' grid is max_tiles(T, num_slots, BLOCK_M), the most tiles any
+split of T tokens among the slots can need, with the tiles past the batch's exiting at once.
 """
 
 from __future__ import annotations
