@@ -32,7 +32,7 @@ from bench.workload import prompts
 
 VARIANTS = {"off": {"disable_extend_graph": True}, "on": {}}  # built in this order
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("scenario", "scenario", ""),
-           ("computed", "computed", ""), ("graph", "replayed", ""), ("off ms", "off_ms", ".2f"),
+           ("computed", "computed", ""), ("on replays", "replayed", ""), ("off ms", "off_ms", ".2f"),
            ("on ms", "on_ms", ".2f"), ("on/off", "on_off", ".2f"), ("peer ms", "peer_ms", ".2f"),
            ("on/peer", "on_peer", ".2f"), ("off/peer", "off_peer", ".2f")]
 CAPTURE_COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("extend graphs", "variant", ""),
