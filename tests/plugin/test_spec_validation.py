@@ -75,9 +75,9 @@ def _is_valid(field_name: str, value) -> bool:
         return callable(value)
     if field_name in ("description", "install_hint"):
         return isinstance(value, str)
-    if field_name in ("platforms", "dtypes", "modes", "graph_modes"):
+    if field_name in ("platforms", "dtypes", "modes", "graph_modes", "piecewise_graph_modes"):
         allowed = choices.get(field_name, choices["modes"])
-        return (isinstance(value, (tuple, list)) and (len(value) > 0 or field_name == "graph_modes")
+        return (isinstance(value, (tuple, list)) and (len(value) > 0 or field_name.endswith("graph_modes"))
                 and all(isinstance(v, str) and v in allowed for v in value) and len(set(value)) == len(value))
     if field_name == "platform":
         return value in ("cpu", "cuda") and isinstance(value, str)
