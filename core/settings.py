@@ -64,6 +64,12 @@ class EngineArgs(BaseSettings):
         None, ge=1, description="torch threads on CPU (default: OMP_NUM_THREADS when set, else 1 for a model "
         f"whose largest weight matrix is under {SMALL_MATRIX:,} elements, else the cores this process may use, "
         f"at most {MAX_DEFAULT_CPU_THREADS})")
+    # Quantization (issue 39)
+    quantization: str = Field(
+        "auto", description="registered quantization method (NAME or NAME@PLUGIN), auto (follow the checkpoint's "
+        "quantization_config; a bf16 checkpoint stays bf16) or none")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="KV cache dtype: auto (the model dtype) or fp8_e4m3 (per-tensor k/v scales)")
     # Backends
     attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")

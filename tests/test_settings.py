@@ -38,6 +38,8 @@ SAMPLES = {
     "cuda_graph_bs": (["8", "1", "4"], "8,1,4", [1, 4, 8]),
     "cuda_graph_max_bs": (["64"], "64", 64),
     "disable_extend_graph": ([], "true", True),
+    "quantization": (["fp8"], "fp8", "fp8"),
+    "kv_cache_dtype": (["fp8_e4m3"], "fp8_e4m3", "fp8_e4m3"),
     "cuda_graph_max_tokens": (["256"], "256", 256),
     "cuda_graph_max_extend_bs": (["4"], "4", 4),
     "disable_cuda_graph": ([], "true", True),

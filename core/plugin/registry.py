@@ -41,6 +41,9 @@ class AttentionBackendSpec:
         runner captures the layers around each attention call, and calls init_forward_metadata
         and forward as in an eager pass at every replay (on the padded batch). For a backend whose
         planning cannot live in static buffers.
+      kv_cache_dtypes: () - KV cache dtypes served besides the model's own ("fp8_e4m3": an FP8
+        pool with per-tensor k_scale/v_scale); selection refuses --kv-cache-dtype for a backend
+        that does not declare it.
       custom_mask, sliding_window, logit_softcap: False - a backend that ignored the mask, the
         window or the cap would return wrong attention, so selection refuses it for such models.
       seq_len_fill_value: 1, what the graph runner writes into seq_lens of padded requests.
@@ -58,6 +61,7 @@ class AttentionBackendSpec:
     modes: tuple[str, ...] = DEFAULT_MODES
     graph_modes: tuple[str, ...] = ()
     piecewise_graph_modes: tuple[str, ...] = ()
+    kv_cache_dtypes: tuple[str, ...] = ()
     custom_mask: bool = False
     sliding_window: bool = False
     logit_softcap: bool = False

@@ -90,6 +90,7 @@ FIELD_RULES: dict[str, Check] = {
     "modes": tuple_of(ALL_MODES),
     "graph_modes": tuple_of(ALL_MODES, empty_ok=True),
     "piecewise_graph_modes": tuple_of(ALL_MODES, empty_ok=True),
+    "kv_cache_dtypes": tuple_of(("fp8_e4m3",), empty_ok=True),
     "custom_mask": flag,
     "sliding_window": flag,
     "logit_softcap": flag,

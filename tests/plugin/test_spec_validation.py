@@ -75,6 +75,8 @@ def _is_valid(field_name: str, value) -> bool:
         return callable(value)
     if field_name in ("description", "install_hint"):
         return isinstance(value, str)
+    if field_name == "kv_cache_dtypes":
+        return isinstance(value, (tuple, list)) and all(v == "fp8_e4m3" for v in value) and len(set(value)) == len(value)
     if field_name in ("platforms", "dtypes", "modes", "graph_modes", "piecewise_graph_modes"):
         allowed = choices.get(field_name, choices["modes"])
         return (isinstance(value, (tuple, list)) and (len(value) > 0 or field_name.endswith("graph_modes"))
