@@ -33,6 +33,7 @@ class AttentionRequirements:
     sliding_window: bool = False
     logit_softcap: bool = False
     custom_mask: bool = False
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: "auto" (the model's dtype) or one a backend must declare
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ def attention_unusable_reasons(spec: AttentionBackendSpec, req: AttentionRequire
                         ("custom_mask", "custom attention mask")):
         if getattr(req, flag) and not getattr(spec, flag):
             reasons.append(f"{label} not supported, and this model/configuration needs it")
+    if req.kv_cache_dtype != "auto" and req.kv_cache_dtype not in spec.kv_cache_dtypes:
+        served = ", ".join(("the model dtype", *spec.kv_cache_dtypes))
+        reasons.append(f"KV cache dtype {req.kv_cache_dtype} not served (serves: {served}. Fix: --kv-cache-dtype "
+                       f"auto, or a backend declaring kv_cache_dtypes {req.kv_cache_dtype})")
     return reasons
 
 
