@@ -2,7 +2,9 @@
 
 It is the reference the other backends are tested against: correct, not fast. It reads every
 key of a request through `req_to_token`, so it serves every forward mode on any device, but it
-plans on the host from `seq_lens_cpu`, so it never runs inside a CUDA graph.
+plans on the host from `seq_lens_cpu`, so it never runs inside a CUDA graph. Over an FP8 pool it
+attends to the dequantized keys and values (stored * the layer's scale, `dequantize_kv`), the new
+tokens' included: the FP8 reference.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from backplane.contracts.attention import (
     AttentionLayerInfo,
 )
 from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.memory import dequantize_kv
 from backplane.plugin.registry import ALL_MODES, AttentionBackendSpec
 
 
@@ -110,13 +113,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id)
         req_to_token = batch.req_to_token_pool.req_to_token
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for plan in self._plans_for(batch):
             slots = req_to_token[plan.row, : plan.seq_len].long()  # [seq_len]
             queries = slice(plan.q_start, plan.q_start + plan.num_queries)
             visible = _visible(plan, layer, batch, q.device)
-            out[queries] = _attend(q[queries], k_buf[slots], v_buf[slots], visible, layer).to(q.dtype)
+            keys, values = dequantize_kv(k_buf[slots], k_scale), dequantize_kv(v_buf[slots], v_scale)
+            out[queries] = _attend(q[queries], keys, values, visible, layer).to(q.dtype)
         return out
 
     def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch) -> torch.Tensor:
@@ -136,6 +141,7 @@ SPEC = AttentionBackendSpec(
     sliding_window=True,
     logit_softcap=True,
     priority=0,
+    kv_cache_dtypes=("fp8_e4m3",),
     graph_modes=(),
     # Host-planned per batch: captured piecewise (graph segments between its eager calls).
     piecewise_graph_modes=("extend", "decode", "target_verify"),

@@ -35,13 +35,15 @@ class AttentionSetup:
     token_to_kv_pool: TokenToKVPool
 
     def requirements(self, modes: tuple[str, ...]) -> AttentionRequirements:
-        """What a backend serving `modes` for this model must support."""
+        """What a backend serving `modes` for this model must support (an FP8 pool: a backend that
+        declares kv_cache_dtypes fp8_e4m3)."""
         info = self.layer_infos[0]
         return AttentionRequirements(
             platform=self.device.type, dtype=dtype_name(self.dtype), head_dim=info.head_dim, modes=modes,
             sliding_window=any(i.sliding_window > 0 for i in self.layer_infos),
             logit_softcap=any(i.logit_softcap > 0 for i in self.layer_infos),
             custom_mask="target_verify" in modes,
+            kv_cache_dtype=self.args.kv_cache_dtype if self.token_to_kv_pool.is_fp8 else "auto",
         )
 
     def build(self) -> tuple[AttentionBackend, dict[str, Selection]]:

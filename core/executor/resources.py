@@ -17,7 +17,8 @@ import torch
 
 from backplane.config import PoolConfig
 from backplane.contracts.attention import AttentionLayerInfo
-from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
+from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool, kv_cache_storage_dtype
+from backplane.executor.kv_scales import KVCacheScales
 from backplane.layers.parallel import ParallelContext
 from backplane.settings import EngineArgs
 
@@ -112,13 +113,18 @@ def _gib(size: int) -> str:
 
 
 def build_pools(args: EngineArgs, pool: PoolConfig, layers: list[AttentionLayerInfo], *, context_len: int,
-                device: torch.device, dtype: torch.dtype,
-                parallel: ParallelContext) -> tuple[ReqToTokenPool, TokenToKVPool]:
+                device: torch.device, dtype: torch.dtype, parallel: ParallelContext,
+                kv_scales: KVCacheScales | None = None) -> tuple[ReqToTokenPool, TokenToKVPool]:
     """The request pool (`pool.req_rows` rows, one more for graph padding) and the KV pool for
     `layers`, sized by --max-total-tokens or by the memory left after the weights; both refused
-    in one line when they cannot be allocated."""
+    in one line when they cannot be allocated.
+
+    The KV pool holds `dtype` under --kv-cache-dtype auto, float8_e4m3fn under fp8_e4m3 (half the
+    bytes a token of bf16, so twice the tokens in the same memory), with the checkpoint's
+    `kv_scales` (1.0 for the layers it has none for)."""
     info = layers[0]
-    per_token = TokenToKVPool.bytes_per_token(len(layers), info.num_kv_heads, info.head_dim, dtype)
+    kv_dtype = kv_cache_storage_dtype(args.kv_cache_dtype, dtype)
+    per_token = TokenToKVPool.bytes_per_token(len(layers), info.num_kv_heads, info.head_dim, kv_dtype)
     num_slots = kv_pool_slots(args, per_token, device, parallel)
     req_rows = pool.req_rows
     max_ctx = min(context_len, num_slots) + pool.spec_room  # + a verify's draft tokens
@@ -127,8 +133,13 @@ def build_pools(args: EngineArgs, pool: PoolConfig, layers: list[AttentionLayerI
         ("--max-running-requests", req_rows, (req_rows + 1) * max_ctx * 4, "request rows"),
     ])
     req_pool = ReqToTokenPool(req_rows + 1, max_ctx, device)  # + one row for graph padding
-    kv_pool = TokenToKVPool(num_slots, len(layers), info.num_kv_heads, info.head_dim, dtype, device)
-    logger.info("KV pool: %d tokens (%.1f MB), %d request rows", num_slots,
+    kv_pool = TokenToKVPool(num_slots, len(layers), info.num_kv_heads, info.head_dim, kv_dtype, device)
+    if kv_scales:
+        kv_scales.apply(kv_pool)
+    elif kv_pool.is_fp8:
+        logger.warning("--kv-cache-dtype %s: the checkpoint has no k_scale/v_scale; every layer uses 1.0, "
+                       "which may cost accuracy", args.kv_cache_dtype)
+    logger.info("KV pool: %d tokens of %s (%.1f MB), %d request rows", num_slots, kv_dtype,
                 num_slots * per_token / 2**20, req_rows)
     return req_pool, kv_pool
 

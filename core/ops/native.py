@@ -108,8 +108,12 @@ def rotary_kv_write(
     k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (one layer of the pool, any float dtype);
     loc: [T] int slot of each token. Writes k_cache[loc] and v_cache[loc] in the cache's dtype (as
     `TokenToKVPool.set_kv_buffer` does) and returns new tensors (q_rot, k_rot) in q's and k's dtype;
-    q, k and v are left unchanged.
+    q, k and v are left unchanged. An FP8 cache is refused: it needs the layer's scales, which this
+    op does not take, so a backend over an FP8 pool declines `fuses_rotary_kv_write`.
     """
+    if torch.float8_e4m3fn in (k_cache.dtype, v_cache.dtype):
+        raise ValueError("rotary_kv_write: expected a KV cache of a float dtype other than float8_e4m3fn, got "
+                         f"{k_cache.dtype}; an FP8 pool is written by TokenToKVPool.set_kv_buffer (with its scales)")
     q_rot, k_rot = rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     k_cache[loc] = k_rot.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)

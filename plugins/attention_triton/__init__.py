@@ -45,6 +45,7 @@ def backplane_register_attention_backends(register):
             platforms=("cpu", "cuda") if interpreting else ("cuda",),
             dtypes=("float32", "float16") if interpreting else ("float32", "float16", "bfloat16"),
             head_dims=HEAD_DIMS,
+            kv_cache_dtypes=("fp8_e4m3",),
             modes=("extend", "decode", "target_verify", "draft_extend"),
             graph_modes=("extend", "decode", "target_verify", "draft_extend"),
             custom_mask=True,

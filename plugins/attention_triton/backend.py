@@ -19,7 +19,9 @@ from .verify_kernels import verify_attention, verify_rows_fit
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Split-KV decode, prefix-aware extend (causal or custom mask), graphs for decode and verify."""
+    """Split-KV decode, prefix-aware extend (causal or custom mask), graphs for decode and verify.
+    Over an FP8 pool the kernels read float8 K/V and apply the layer's scales (fixed per layer, so
+    graphs capture them as launch constants)."""
 
     def __init__(self, ctx: AttentionBackendContext):
         self.ctx = ctx
@@ -85,8 +87,9 @@ class TritonAttnBackend(AttentionBackend):
 
     def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
         """Opted in: the layer may write K/V with rotary in one op (the kernels read K/V from the pool),
-        when the batch's pool is the one this backend attends over (the layer writes into the batch's)."""
-        return batch.token_to_kv_pool is self.kv_pool
+        when the batch's pool is the one this backend attends over (the layer writes into the batch's)
+        and is not FP8 (`rotary_kv_write` takes no scales; `set_kv_buffer` quantizes)."""
+        return batch.token_to_kv_pool is self.kv_pool and not self.kv_pool.is_fp8
 
     def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
                        kv_written: bool = False) -> torch.Tensor:
@@ -97,16 +100,19 @@ class TritonAttnBackend(AttentionBackend):
         if q.shape[0] == 0:
             return o
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
+        k_scale, v_scale = self.kv_pool.kv_scales(layer.layer_id)
         if meta.verify_splits is not None and layer.sliding_window <= 0:
             return verify_attention(
                 q, k_buffer, v_buffer, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.max_q_len,
                 layer.scaling, meta.verify_splits, softcap=layer.logit_softcap, custom_mask=meta.custom_mask,
                 mask_indptr=meta.mask_indptr, attn_logits=meta.attn_logits, attn_lse=meta.attn_lse,
+                k_scale=k_scale, v_scale=v_scale,
             )
         return extend_attention(
             q, k, v, o, k_buffer, v_buffer, self.req_to_token, meta.req_pool_indices, meta.qo_indptr,
             meta.prefix_lens, meta.max_q_len, layer.scaling, softcap=layer.logit_softcap,
             window=layer.sliding_window, custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr,
+            k_scale=k_scale, v_scale=v_scale,
         )
 
     def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
@@ -116,10 +122,12 @@ class TritonAttnBackend(AttentionBackend):
         if q.shape[0] == 0:
             return o
         k_buffer, v_buffer = self.kv_pool.get_kv_buffer(layer.layer_id)
+        k_scale, v_scale = self.kv_pool.kv_scales(layer.layer_id)
         return decode_attention(
             q, k_buffer, v_buffer, o, self.req_to_token, meta.req_pool_indices, meta.seq_lens,
             layer.scaling, meta.num_kv_splits, softcap=layer.logit_softcap, window=layer.sliding_window,
             attn_logits=meta.attn_logits, attn_lse=meta.attn_lse, merge_counters=self.merge_counters,
+            k_scale=k_scale, v_scale=v_scale,
         )
 
     def _metadata(self, kind: type, batch: ForwardBatch) -> Any:
@@ -132,17 +140,19 @@ class TritonAttnBackend(AttentionBackend):
         return meta
 
     def _prepare(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch, write_kv: bool = True):
-        """Shape q/k/v as [tokens, heads, head_dim], store k/v in the pool (unless the layer already
-        did, `write_kv=False`), allocate the output."""
+        """Shape q/k/v as [tokens, heads, head_dim] (k/v quantized over an FP8 pool), store k/v in the
+        pool (unless the layer already did, `write_kv=False`), allocate the output."""
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
-        if self.kv_pool.dtype != q.dtype:
+        if self.kv_pool.dtype != q.dtype and not self.kv_pool.is_fp8:
             raise ValueError(
-                f"triton attention: expected the KV pool dtype {self.kv_pool.dtype} to equal q's dtype, "
-                f"got q of {q.dtype}"
+                f"triton attention: expected the KV pool dtype {self.kv_pool.dtype} to equal q's dtype "
+                f"(or float8_e4m3fn), got q of {q.dtype}"
             )
         if k is not None:
             k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
             v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
+            if self.kv_pool.is_fp8:  # the extend kernel takes the new tokens as the pool stores them
+                k, v = self.kv_pool.quantize_kv(layer.layer_id, k, v)
             if write_kv:
                 self.kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         return q, k, v, q.new_empty(q.shape)

@@ -74,7 +74,7 @@ def _merge_group(Mid_o, Mid_lse, O, b, heads, mask_h, offs_dv, mask_dv, num_used
 @triton.jit
 def _decode_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, O, Counters,
-    sm_scale, softcap, window, num_splits, num_kv_heads,
+    sm_scale, k_scale, v_scale, softcap, window, num_splits, num_kv_heads,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -110,11 +110,11 @@ def _decode_split_kernel(
             # k_t: [BLOCK_D, BLOCK_N]; v: [BLOCK_N, BLOCK_DV]
             k_t, v = gather_kv_tile(row_ptr, K_buf, V_buf, kv_head, offs_n, mask_n, offs_d, mask_d, offs_dv,
                                     mask_dv, stride_kt, stride_kh, stride_vt, stride_vh)
-            acc, l_i, m_i = attend_tile(q, k_t, v, mask_n[None, :], acc, l_i, m_i, sm_scale, softcap,
+            acc, l_i, m_i = attend_tile(q, k_t, v, mask_n[None, :], acc, l_i, m_i, sm_scale * k_scale, softcap,
                                         USE_SOFTCAP, True, DOT_PRECISION)
         # Every row saw at least one key, so l_i > 0.
         mid = Mid_o + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
-        tl.store(mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        tl.store(mid, acc / l_i[:, None] * v_scale, mask=mask_h[:, None] & mask_dv[None, :])
         tl.store(Mid_lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
         if FUSE_MERGE:
             # Slices with keys: lo + s * split_len < seq_len, i.e. the programs that reach this point.
@@ -169,6 +169,8 @@ def decode_attention(
     attn_lse: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     merge_counters: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per request over all its cached keys; writes and returns `o`.
 
@@ -182,6 +184,7 @@ def decode_attention(
       >= num_kv_splits] fp32, scratch buffers (allocated here when None; pass fixed ones for graphs)
     merge_counters: [>= bs * num_kv_heads] int32, zero, caller-owned (every launch leaves it zero):
       with at most FUSED_MERGE_MAX_SPLITS splits the merge runs inside the first kernel (one launch)
+    k_scale, v_scale: what the stored keys and values are multiplied by (an FP8 pool's layer scales)
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[2]
@@ -201,7 +204,8 @@ def decode_attention(
                          f"least batch {bs} x {num_kv_heads} KV heads")
     _decode_split_kernel[(bs, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, attn_lse, o,
-        merge_counters if fuse_merge else attn_lse, scaling, softcap, window, num_kv_splits, num_kv_heads,
+        merge_counters if fuse_merge else attn_lse, scaling, k_scale, v_scale, softcap, window, num_kv_splits,
+        num_kv_heads,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
         attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1),

@@ -6,6 +6,8 @@ req_to_token, then the new keys from the contiguous k/v tensors. Without a custo
 keys are causal: key blocks wholly below the diagonal run without a mask and only the diagonal
 blocks are masked. With a custom mask (tree masks of TARGET_VERIFY, DRAFT_EXTEND) the mask
 replaces causality for prefix and new keys alike. Sliding window and soft-cap apply on top.
+Over an FP8 pool the new keys and values come quantized as the pool stores them (float8), so a
+token attends to the same values whether it is new or cached.
 Heads vary fastest across programs so the heads of one KV group share K/V tiles in L2, and the
 longest (last) query blocks of a request start first.
 """
@@ -36,7 +38,7 @@ def _visible(offs_m, offs_n, key_pos, q_pos, mask_n, Mask, mask_row, mask_m, win
 @triton.jit
 def _extend_kernel(
     Q, K_new, V_new, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Qo_indptr, Prefix_lens,
-    Mask, Mask_indptr, sm_scale, softcap, window,
+    Mask, Mask_indptr, sm_scale, k_scale, v_scale, softcap, window,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ot, stride_oh,
     stride_kbt, stride_kbh, stride_vbt, stride_vbh, stride_req,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -44,6 +46,7 @@ def _extend_kernel(
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
+    qk_scale = sm_scale * k_scale  # keys are stored values times k_scale (1.0 unless the pool is FP8)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(Qo_indptr + b).to(tl.int32)
@@ -81,7 +84,7 @@ def _extend_kernel(
                                     mask_dv, stride_kbt, stride_kbh, stride_vbt, stride_vbh)
             vis = _visible(offs_m, offs_n, offs_n, q_pos, mask_n, Mask, mask_row, mask_m, window,
                            USE_MASK, USE_WINDOW)
-            acc, l_i, m_i = attend_tile(q, k_t, v, vis, acc, l_i, m_i, sm_scale, softcap,
+            acc, l_i, m_i = attend_tile(q, k_t, v, vis, acc, l_i, m_i, qk_scale, softcap,
                                         USE_SOFTCAP, True, DOT_PRECISION)
 
         # Phase 2: the new tokens, from the contiguous k/v.
@@ -100,7 +103,7 @@ def _extend_kernel(
             keys = (q_start + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
             k_t = tl.load(k_new_ptr + keys[None, :] * stride_knt, mask=mask_d[:, None], other=0.0)
             v = tl.load(v_new_ptr + keys[:, None] * stride_vnt, mask=mask_dv[None, :], other=0.0)
-            acc, l_i, m_i = attend_tile(q, k_t, v, mask_m[:, None], acc, l_i, m_i, sm_scale, softcap,
+            acc, l_i, m_i = attend_tile(q, k_t, v, mask_m[:, None], acc, l_i, m_i, qk_scale, softcap,
                                         USE_SOFTCAP, False, DOT_PRECISION)
         for start_n in range(full_end, end_new, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -114,11 +117,11 @@ def _extend_kernel(
                            USE_MASK, USE_WINDOW)
             if not USE_MASK:
                 vis = vis & (offs_n[None, :] <= offs_m[:, None])
-            acc, l_i, m_i = attend_tile(q, k_t, v, vis, acc, l_i, m_i, sm_scale, softcap,
+            acc, l_i, m_i = attend_tile(q, k_t, v, vis, acc, l_i, m_i, qk_scale, softcap,
                                         USE_SOFTCAP, True, DOT_PRECISION)
 
         # Rows that saw no key at all (possible only under a custom mask) output zeros.
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
         tl.store(O + tokens[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
                  out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
 
@@ -141,11 +144,14 @@ def extend_attention(
     custom_mask: torch.Tensor | None = None,
     mask_indptr: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each request's new tokens over its prefix and the new tokens; writes and returns `o`.
 
     q: [num_tokens, num_heads, head_dim]; o: [num_tokens, num_heads, v_dim] (q's dtype)
-    k: [num_tokens, num_kv_heads, head_dim]; v: [num_tokens, num_kv_heads, v_dim], the new tokens
+    k: [num_tokens, num_kv_heads, head_dim]; v: [num_tokens, num_kv_heads, v_dim], the new tokens (q's
+      dtype, or over an FP8 pool float8 as the pool stores them)
     k_buffer, v_buffer: [num_slots + 1, num_kv_heads, head_dim / v_dim], the pool holding the prefixes
     req_to_token: [rows, max_context_len] int32; req_pool_indices: [bs] int, the request's row
     qo_indptr: [bs + 1] int, request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
@@ -154,6 +160,7 @@ def extend_attention(
     custom_mask: flat bool; request b holds a row-major [q_len, prefix + q_len] mask from
       mask_indptr[b] ([bs + 1] int), True = visible; it replaces causality
     softcap: 0 for none; window: key p visible from query position t when p > t - window, 0 for none
+    k_scale, v_scale: what the stored keys and values (pool and float8 new ones) are multiplied by
     """
     num_tokens, num_heads, head_dim = q.shape
     bs = prefix_lens.shape[0]
@@ -169,7 +176,7 @@ def extend_attention(
     _extend_kernel[grid](
         q, k, v, o, k_buffer, v_buffer, req_to_token, req_pool_indices, qo_indptr, prefix_lens,
         custom_mask if use_mask else prefix_lens, mask_indptr if use_mask else prefix_lens,
-        scaling, softcap, window,
+        scaling, k_scale, v_scale, softcap, window,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
         o.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),

@@ -1,6 +1,10 @@
 """Triton device functions shared by the decode and extend kernels.
 
 Scores are kept in log2 units (scaled by log2(e)) so the online softmax can use exp2.
+
+FP8 KV cache: tiles are used in the pool's units (the stored float8 values, converted to q's dtype
+exactly) and the layer's scales are applied outside the products: the kernels pass
+sm_scale * k_scale as the score scale and multiply the normalised output by v_scale.
 """
 
 from __future__ import annotations
@@ -57,11 +61,12 @@ def attend_tile(
 ):
     """One online-softmax step over a tile of keys.
 
-    q: [M, D]; k_t: [D, N]; v: [N, DV]; visible: bool broadcastable to [M, N] (read only when
-    APPLY_MASK); acc: [M, DV] fp32 (unnormalised); l_i, m_i: [M] fp32 running sum and max (log2).
-    Rows that have seen no visible key keep m_i = -inf, l_i = 0 and acc = 0.
+    q: [M, D]; k_t: [D, N]; v: [N, DV] (q's dtype or float8, converted to q's); visible: bool
+    broadcastable to [M, N] (read only when APPLY_MASK); acc: [M, DV] fp32 (unnormalised); l_i, m_i:
+    [M] fp32 running sum and max (log2). Rows that have seen no visible key keep m_i = -inf, l_i = 0
+    and acc = 0.
     """
-    qk = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    qk = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION)
     s = scores_log2(qk, sm_scale, softcap, USE_SOFTCAP)
     if APPLY_MASK:
         s = tl.where(visible, s, float("-inf"))
@@ -70,6 +75,6 @@ def attend_tile(
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new

@@ -27,7 +27,7 @@ from .tile_ops import attend_tile, gather_kv_tile
 @triton.jit
 def _verify_split_kernel(
     Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mask, Mask_indptr, Mid_o, Mid_lse,
-    sm_scale, softcap, num_splits,
+    sm_scale, k_scale, v_scale, softcap, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_req,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr,
@@ -73,10 +73,10 @@ def _verify_split_kernel(
                 visible = visible & (allowed != 0)
             else:
                 visible = visible & (offs_n[None, :] <= q_pos[:, None])
-            acc, l_i, m_i = attend_tile(q, k_t, v, visible, acc, l_i, m_i, sm_scale, softcap,
+            acc, l_i, m_i = attend_tile(q, k_t, v, visible, acc, l_i, m_i, sm_scale * k_scale, softcap,
                                         USE_SOFTCAP, True, DOT_PRECISION)
         seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        out = acc / tl.where(seen, l_i, 1.0)[:, None] * v_scale
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         mid = Mid_o + q_rows[:, None] * stride_mt + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
         tl.store(mid, out, mask=mask_r[:, None] & mask_dv[None, :])
@@ -105,6 +105,8 @@ def verify_attention(
     attn_logits: torch.Tensor | None = None,
     attn_lse: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of `tokens_per_request` new tokens per request over all their keys; writes `o`.
 
@@ -115,6 +117,7 @@ def verify_attention(
       ([bs + 1] int64); None for causal
     attn_logits: [>= bs * tokens_per_request, num_heads, >= num_kv_splits, v_dim] fp32 and attn_lse:
       [>= bs * tokens_per_request, num_heads, >= num_kv_splits] fp32 (pass fixed ones for graphs)
+    k_scale, v_scale: what the stored keys and values are multiplied by (an FP8 pool's layer scales)
     """
     bs, q_len = seq_lens.shape[0], tokens_per_request
     num_tokens, num_heads, head_dim = q.shape
@@ -137,7 +140,7 @@ def verify_attention(
     _verify_split_kernel[(bs, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mask,
         mask_indptr if has_mask else seq_lens, attn_logits, attn_lse,
-        scaling, softcap, num_kv_splits,
+        scaling, k_scale, v_scale, softcap, num_kv_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
         v_buffer.stride(1), req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
         attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1),
