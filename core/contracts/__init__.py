@@ -11,6 +11,7 @@ checks it), so every package above (layers, models, executor, engine, plugins) m
 - `graph`: GraphKey, GraphParticipant, ModeLimit
 - `model`: ModelOutput
 - `protocols`: the collaborators' Protocols (GraphContributor, SchedulerParticipant, ...)
+- `quant`: QuantMethod (a quantized linear layer), QuantConfig, QuantContext, ShardLayout, LinearPartition
 """
 
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
@@ -22,10 +23,14 @@ from backplane.contracts.lora_batch import LoraBatchInfo, LoraSegments
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.contracts.model import ModelOutput
 from backplane.contracts.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
+from backplane.contracts.quant import (
+    LinearPartition, QuantConfig, QuantContext, QuantMethod, ShardLayout, new_parameter,
+)
 
 __all__ = [
     "AttentionBackend", "AttentionBackendContext", "AttentionLayerInfo", "ForwardBatch", "ForwardMode",
     "ForwardContext", "ForwardRouter", "ForwardSlot", "GraphContributor", "GraphKey", "GraphParticipant", "HostBatch", "LoraBackend",
-    "LoraBackendContext", "LoraBatchInfo", "LoraSegments", "ModeLimit", "ModelOutput", "NestedForwardError", "ReqToTokenPool", "RunningRequests",
-    "SchedulerParticipant", "TokenToKVPool", "host_offsets",
+    "LinearPartition", "LoraBackendContext", "LoraBatchInfo", "LoraSegments", "ModeLimit", "ModelOutput", "NestedForwardError",
+    "QuantConfig", "QuantContext", "QuantMethod", "ReqToTokenPool", "RunningRequests",
+    "SchedulerParticipant", "ShardLayout", "TokenToKVPool", "host_offsets", "new_parameter",
 ]

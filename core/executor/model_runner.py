@@ -165,25 +165,53 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         from backplane.models.loader import check_checkpoint_shapes, get_model_spec, safetensors_files
-        from backplane.models.loader import iterate_safetensors
+        from backplane.models.loader import iterate_safetensors, process_weights_after_loading, quantize_linears
         from backplane.models.presets import init_dummy_weights
 
         from backplane.models.config_check import check_model_memory
 
         spec = get_model_spec(self.registry.specs("model"), self.hf_config)
+        quant = self._quant_config()  # refused in one line before anything is allocated
         # NOTE: before a byte is allocated: a huge vocabulary or context is one line, not an OOM.
         check_model_memory(self.hf_config, self.dtype.itemsize, available_memory(self.device), self.device.type,
                            self.parallel.tp_size)
         with torch.device(self.device):
             model = build(self.registry.provenance("model", spec.architecture), self.hf_config, self.model_ctx,
                           kind="model").to(self.dtype)
+            if quant is not None:  # after the cast: the FP8 weights and fp32 scales keep their dtypes
+                kept = quantize_linears(model, quant, getattr(model, "stacked_params", None))
+                logger.info("quantization %s: %s", self.quant_choice.spec.name,
+                            f"kept in {dtype_name(self.dtype)}: {', '.join(kept)}" if kept else "every linear layer")
         if self.source.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
             if hasattr(model, "checkpoint_shapes"):  # a wrong shape is named before any tensor is read
                 check_checkpoint_shapes(safetensors_files(self.source.path), dict(model.checkpoint_shapes()))
             model.load_weights(iterate_safetensors(self.source.path))
+        process_weights_after_loading(model)
         return model.eval()
+
+    def _quant_config(self) -> Any:
+        """The QuantConfig of --quantization for this checkpoint (None: unquantized); sets quant_choice."""
+        from backplane.contracts.quant import QuantConfig, QuantContext
+        from backplane.models.loader import checkpoint_quant_format, quantization_config_of
+        from backplane.plugin.selection import QuantRequirements, select_quant_method
+
+        args = self.args
+        req = QuantRequirements(
+            platform=self.device.type, dtype=dtype_name(self.dtype),
+            checkpoint_format=checkpoint_quant_format(self.hf_config), lora=bool(args.lora_paths),
+            tensor_parallel=self.parallel.tp_size > 1, compile=args.enable_torch_compile,
+            graphs=self.device.type == "cuda" and not args.disable_cuda_graph)
+        self.quant_choice = select_quant_method(self.registry, args.quantization, req)
+        if self.quant_choice is None:
+            return None
+        checkpoint = quantization_config_of(self.hf_config) if req.checkpoint_format is not None else None
+        quant = build(self.quant_choice, QuantContext(checkpoint, self.dtype, self.device), kind="quant")
+        if not isinstance(quant, QuantConfig):
+            raise TypeError(f"quantization method {self.quant_choice.spec.name!r} (plugin {self.quant_choice.plugin!r}): "
+                            f"factory returned {type(quant).__name__}, expected a QuantConfig")
+        return quant
 
     def attention_requirements(self, modes: tuple[str, ...]) -> AttentionRequirements:
         """What an attention backend serving `modes` must support for this model, device and dtype."""

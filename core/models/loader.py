@@ -117,10 +117,21 @@ def _iterate_file(file: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"safetensors file {file!r} is corrupt or unreadable: {e}") from e
 
 
+FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+
+
+def _non_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """A bool mask of the NaN / infinite entries (FP8 has no isfinite: its NaN and inf bit patterns)."""
+    if tensor.dtype in FP8_DTYPES:
+        bits = tensor.view(torch.uint8) & 0x7F
+        return bits == 0x7F if tensor.dtype == torch.float8_e4m3fn else bits >= 0x7C
+    return ~torch.isfinite(tensor)
+
+
 def _finite(file: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, refused when a floating-point weight holds NaN or infinity (one pass over it)."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).sum())
+    if tensor.is_floating_point() and bool(_non_finite(tensor).any()):
+        bad = int(_non_finite(tensor).sum())
         raise ValueError(f"safetensors file {file!r}: tensor {name!r} holds {bad} NaN or infinite values; "
                          "expected finite weights")
     return tensor
@@ -155,3 +166,75 @@ def get_model_spec(registry_models: dict[str, Any], config):
             "(a plugin can add one with the backplane_register_models hook)"
         )
     return registry_models[architecture]
+
+
+# -- quantization: which layers the core hands to the method ---------------------------------------
+
+def checkpoint_quant_format(config) -> str | None:
+    """config.json's `quantization_config.quant_method` ("compressed-tensors", "fp8"), or None when the
+    checkpoint is not quantized; a quantization_config without a quant_method string is a ValueError."""
+    qc = quantization_config_of(config)
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if not isinstance(method, str) or not method:
+        raise ValueError(f"model config: quantization_config.quant_method = {method!r}: expected the name of the "
+                         "format (compressed-tensors, fp8, ...)")
+    return method
+
+
+def quantization_config_of(config) -> dict[str, Any] | None:
+    """config.json's `quantization_config` as a dict (transformers may hold it as an object), or None."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    if not isinstance(qc, dict):
+        raise ValueError(f"model config: quantization_config: expected a JSON object, got {type(qc).__name__}")
+    return dict(qc)
+
+
+def checkpoint_parts(module_name: str, stacked_params) -> list[str]:
+    """The checkpoint module names a (possibly fused) layer holds: `...qkv_proj` -> its q/k/v_proj."""
+    dotted = module_name + "."
+    parts = [dotted.replace(fused, original)[:-1] for fused, original, _ in stacked_params if fused in dotted]
+    return parts or [module_name]
+
+
+def quantize_linears(model: torch.nn.Module, quant, stacked_params=None) -> list[str]:
+    """Hand every linear layer of `model` that the checkpoint does not keep in high precision to
+    `quant.method_for(layer, name)` (a QuantConfig); returns the names of the layers kept unquantized.
+
+    The core decides: a layer is kept when its checkpoint name matches `quant.ignore` (a fused layer
+    when all its parts match; some but not all is a ValueError naming them). Embeddings and lm_head
+    are not linear layers, so they stay in the model dtype."""
+    from backplane.contracts.quant import module_matches
+    from backplane.layers.linear import _LinearBase
+    from backplane.models.weights import STACKED_PARAMS
+
+    stacked = STACKED_PARAMS if stacked_params is None else stacked_params
+    patterns = tuple(quant.ignore)
+    kept = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, _LinearBase):
+            continue
+        parts = checkpoint_parts(name, stacked)
+        ignored = [p for p in parts if any(module_matches(p, pat) for pat in patterns)]
+        if ignored and len(ignored) != len(parts):
+            raise ValueError(f"quantization_config ignore list: {', '.join(ignored)} kept in high precision but "
+                             f"{', '.join(p for p in parts if p not in ignored)} not, and they are fused into {name}; "
+                             "expected all of them or none")
+        method = None if ignored else quant.method_for(module, name)
+        if method is None:
+            kept.append(name)
+        else:
+            module.set_quant_method(method)
+    return kept
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Every quantized layer's once-after-loading step (combining scales, online quantization)."""
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is not None:
+            module.quant_method.process_weights_after_loading(module)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         CustomOpImpl,
         LoraBackendSpec,
         ModelSpec,
+        QuantMethodSpec,
         SpecAlgorithmSpec,
     )
 
@@ -82,6 +83,21 @@ def backplane_register_models(register: Callable[[ModelSpec], None]) -> None:
     Must: call ``register(ModelSpec(architecture=..., factory=...))``.
     Params: register -- validates at once; a duplicate architecture is an error naming both plugins.
     Semantics: called on every plugin; return values are ignored.
+    """
+
+
+@hookspec
+def backplane_register_quant_methods(register: Callable[[QuantMethodSpec], None]) -> None:
+    """Register quantization methods (selected by ``--quantization NAME|auto|none``).
+
+    When: once, during plugin discovery.
+    Must: call ``register(QuantMethodSpec(...))`` once per method, declaring the checkpoint formats
+    it loads (the ``quant_method`` strings of config.json's ``quantization_config``) and importing
+    nothing heavy (the factory imports its kernels when the model is built).
+    Params: register -- validates at once; a name registered by two plugins must be pinned with
+    ``--quantization NAME@PLUGIN``.
+    Semantics: called on every plugin; return values are ignored. Under ``auto`` the
+    highest-priority usable method that declares the checkpoint's ``quant_method`` is built.
     """
 
 

@@ -25,6 +25,10 @@ def _capabilities(kind: str, spec: Any) -> dict[str, Any]:
                     head_dims=list(spec.head_dims) if spec.head_dims else "any", custom_mask=spec.custom_mask,
                     sliding_window=spec.sliding_window, logit_softcap=spec.logit_softcap,
                     seq_len_fill_value=spec.seq_len_fill_value)
+    elif kind == "quant":
+        caps.update(checkpoint_formats=list(spec.checkpoint_formats), supports_online=spec.supports_online,
+                    supports_lora=spec.supports_lora, supports_tp=spec.supports_tp,
+                    supports_graph=spec.supports_graph, supports_compile=spec.supports_compile)
     else:
         caps.update(max_rank=spec.max_rank if spec.max_rank is not None else "any", supports_graph=spec.supports_graph)
     return caps
@@ -48,13 +52,14 @@ def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
     platform = current_platform()
     registry = plugin_set.registry
     backends = {kind: [_backend_status(kind, reg, registry, platform) for reg in registry.registrations(kind)]
-                for kind in ("attention", "lora")}
+                for kind in ("attention", "lora", "quant")}
     return {
         "platform": platform,
         "plugin_api": PLUGIN_API_VERSION,
         "plugins": [vars(info) | {} for info in plugin_set.plugins],
         "attention_backends": backends["attention"],
         "lora_backends": backends["lora"],
+        "quant_methods": backends["quant"],
         "custom_ops": sorted(registry.specs("custom_op")),
         "spec_algorithms": sorted(registry.specs("spec")),
         "models": sorted(registry.specs("model")),
@@ -65,7 +70,12 @@ def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
 
 def _format_capabilities(b: dict[str, Any]) -> str:
     parts = [f"dtypes {','.join(b['dtypes'])}"]
-    if "modes" in b:
+    if "checkpoint_formats" in b:
+        parts += [f"formats {','.join(b['checkpoint_formats']) or '-'}", f"online {'yes' if b['supports_online'] else 'no'}"]
+        parts += [f"{label} {'yes' if b[key] else 'no'}" for key, label in (
+            ("supports_lora", "lora"), ("supports_tp", "tp"), ("supports_graph", "graphs"),
+            ("supports_compile", "compile"))]
+    elif "modes" in b:
         head_dims = b["head_dims"] if b["head_dims"] == "any" else ",".join(map(str, b["head_dims"]))
         parts += [f"modes {','.join(b['modes'])}", f"graphs {','.join(b['graph_modes']) or '-'}"
                   + (f" (piecewise {','.join(b['piecewise_graph_modes'])})" if b.get("piecewise_graph_modes") else ""),
@@ -84,9 +94,10 @@ def format_plugins(report: dict[str, Any]) -> str:
         origin = "builtin" if p["builtin"] else f"{p['distribution']} {p['version']}"
         status = f"FAILED: {p['error']}" if p["error"] else ", ".join(p["registered"]) or "-"
         lines.append(f"  {p['name']:<24} {origin:<24} api {p['api'] or '-':<4} {p['load_seconds']:6.3f}s  {status}")
-    for title, key in (("attention backends", "attention_backends"), ("LoRA backends", "lora_backends")):
+    for title, key in (("attention backends", "attention_backends"), ("LoRA backends", "lora_backends"),
+                       ("quantization methods", "quant_methods")):
         lines += ["", f"{title}:"]
-        for b in report[key]:
+        for b in report.get(key, []):
             state = "usable" if b["usable"] else "unusable: " + "; ".join(b["reasons"])
             name = b.get("select_as", b["name"])
             lines.append(f"  {name:<14} prio {b['priority']:<4} plugin {b['plugin']:<22} {state}")

@@ -96,6 +96,37 @@ class LoraBackendSpec:
 
 
 @dataclass(frozen=True)
+class QuantMethodSpec:
+    """A quantization method: a lazy factory and the capabilities it declares.
+
+    factory(ctx: backplane.contracts.QuantContext) -> backplane.contracts.QuantConfig, importing its kernels lazily. Defaults (docs/plugins.md,
+    "Spec defaults"), each the one that cannot give wrong output when forgotten:
+      checkpoint_formats: () - the `quant_method` strings of quantization_config it loads
+        ("compressed-tensors", "fp8"); `--quantization auto` picks a method only by this.
+      supports_online: False - whether it quantizes a bf16 checkpoint (`--quantization NAME`).
+      platforms: ("cpu", "cuda"); dtypes: all three (the run's activation dtype).
+      supports_lora, supports_tp, supports_graph, supports_compile: False - selection refuses the
+        method for a run that needs what it does not declare.
+      priority: 0; available(): None when usable here, else the reason; install_hint: "".
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    description: str
+    checkpoint_formats: tuple[str, ...] = ()
+    supports_online: bool = False
+    platforms: tuple[str, ...] = PLATFORMS
+    dtypes: tuple[str, ...] = ALL_DTYPES
+    supports_lora: bool = False
+    supports_tp: bool = False
+    supports_graph: bool = False
+    supports_compile: bool = False
+    priority: int = 0
+    available: Callable[[], str | None] = _always_available
+    install_hint: str = ""
+
+
+@dataclass(frozen=True)
 class CustomOpImpl:
     """One implementation of a named custom op on one platform; the highest priority usable one wins.
 
@@ -186,6 +217,8 @@ KINDS: dict[str, PluginKind] = {kind.name: kind for kind in (
                lambda spec: spec.name),
     PluginKind("model", ModelSpec, "model architecture", "backplane_register_models",
                lambda spec: spec.architecture),
+    PluginKind("quant", QuantMethodSpec, "quantization method", "backplane_register_quant_methods",
+               lambda spec: spec.name, pinnable=True),
     PluginKind("settings", SettingsGroup, "settings group", "backplane_register_settings",
                lambda group: group.group),
 )}

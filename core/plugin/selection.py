@@ -44,6 +44,23 @@ class LoraRequirements:
 
 
 @dataclass(frozen=True)
+class QuantRequirements:
+    """What the checkpoint and settings need from a quantization method.
+
+    checkpoint_format: quantization_config's `quant_method` ("compressed-tensors", "fp8"), or None
+    for an unquantized checkpoint. lora, tensor_parallel, graphs, compile: the run uses them.
+    """
+
+    platform: str
+    dtype: str
+    checkpoint_format: str | None
+    lora: bool = False
+    tensor_parallel: bool = False
+    graphs: bool = False
+    compile: bool = False
+
+
+@dataclass(frozen=True)
 class Selection:
     """The chosen spec and a one-line explanation of the choice.
 
@@ -80,6 +97,25 @@ def lora_unusable_reasons(spec: LoraBackendSpec, req: LoraRequirements) -> list[
     reasons = _common_reasons(spec, req.platform, req.dtype)
     if spec.max_rank is not None and req.max_rank > spec.max_rank:
         reasons.append(f"rank {req.max_rank} above its maximum {spec.max_rank}")
+    return reasons
+
+
+def quant_unusable_reasons(spec: Any, req: QuantRequirements) -> list[str]:
+    """Every reason quantization method `spec` cannot load this checkpoint in this run, each with its fix."""
+    reasons = _common_reasons(spec, req.platform, req.dtype)
+    fmt = req.checkpoint_format
+    if fmt is not None and fmt not in spec.checkpoint_formats:
+        reasons.append(f"cannot load quant_method {fmt!r} checkpoints (loads: {_join(spec.checkpoint_formats) or 'none'})")
+    if fmt is None and not spec.supports_online:
+        reasons.append("the checkpoint has no quantization_config and this method does not quantize online "
+                       f"(loads: {_join(spec.checkpoint_formats) or 'none'}; fix: a checkpoint in one of those formats)")
+    for needed, declared, label, fix in (
+            (req.lora, spec.supports_lora, "LoRA", "drop --lora-paths"),
+            (req.tensor_parallel, spec.supports_tp, "tensor parallelism", "--tp-size 1"),
+            (req.graphs, spec.supports_graph, "CUDA graphs", "--disable-cuda-graph"),
+            (req.compile, spec.supports_compile, "torch.compile", "drop --enable-torch-compile")):
+        if needed and not declared:
+            reasons.append(f"{label} not supported (fix: {fix})")
     return reasons
 
 
@@ -137,6 +173,39 @@ def select_lora_backend(
     registry: Registry, name: str, req: LoraRequirements, flag: str = "--lora-backend"
 ) -> Selection:
     return _select(registry, "lora", name, lambda s: lora_unusable_reasons(s, req), flag, req)
+
+
+NONE = "none"
+
+
+def select_quant_method(registry: Registry, name: str, req: QuantRequirements,
+                        flag: str = "--quantization") -> Selection | None:
+    """The quantization method for `name` (NAME, NAME@PLUGIN, `auto` or `none`), or None: unquantized.
+
+    auto: None for a checkpoint without quantization_config; else the highest-priority usable
+    method declaring its quant_method. none: None, refused for a quantized checkpoint (its weights
+    cannot run as they are). Every refusal is one SelectionError line with every reason and fix."""
+    fmt = req.checkpoint_format
+    if name == NONE:
+        if fmt is not None:
+            raise SelectionError(f"{flag} none: the checkpoint is quantized (quantization_config quant_method "
+                                 f"{fmt!r}), so its weights need a method that loads them; expected auto or one of: "
+                                 f"{_quant_loaders(registry, fmt) or 'none registered'}")
+        return None
+    if name == AUTO and fmt is None:
+        logger.info("%s auto: the checkpoint has no quantization_config; running unquantized", flag)
+        return None
+    if name == AUTO:
+        candidates = [reg for reg in registry.registrations("quant") if fmt in reg.item.checkpoint_formats]
+        if not candidates:
+            raise SelectionError(f"{flag} auto: no registered quantization method loads quant_method {fmt!r} "
+                                 f"checkpoints; registered: {_listing(registry, 'quant') or 'none'}"
+                                 + _not_loaded(registry))
+    return _select(registry, "quant", name, lambda s: quant_unusable_reasons(s, req), flag, req)
+
+
+def _quant_loaders(registry: Registry, fmt: str) -> str:
+    return _join(sorted({reg.item.name for reg in registry.registrations("quant") if fmt in reg.item.checkpoint_formats}))
 
 
 def _select(registry: Registry, kind: str, name: str, check, flag: str, req) -> Selection:
@@ -239,6 +308,8 @@ def _not_loaded(registry: Registry) -> str:
 
 
 def _describe(req) -> str:
+    if isinstance(req, QuantRequirements):
+        return f"quant_method {req.checkpoint_format!r} checkpoints on platform {req.platform!r} with dtype {req.dtype}"
     return f"on platform {req.platform!r} with dtype {req.dtype}" + (
         f", head dim {req.head_dim}" if hasattr(req, "head_dim") else ""
     )

@@ -66,6 +66,13 @@ def tuple_of(choices: tuple[str, ...], empty_ok: bool = False) -> Check:
     return check
 
 
+def format_names(value: Any) -> str | None:
+    """quant_method strings of quantization_config: distinct non-empty one-line strings (may be empty)."""
+    ok = (isinstance(value, (tuple, list)) and all(non_empty_str(v) is None for v in value)
+          and len(set(value)) == len(value))
+    return None if ok else "a tuple of distinct non-empty strings (quantization_config quant_method values)"
+
+
 def head_dims(value: Any) -> str | None:
     ok = value is None or (isinstance(value, (tuple, list)) and len(value) > 0
                            and all(_is_int(v) and v >= 1 for v in value))
@@ -99,6 +106,10 @@ FIELD_RULES: dict[str, Check] = {
     "needs_draft_model": flag,
     "supports_lora": flag,
     "supports_sampling": flag,
+    "supports_online": flag,
+    "supports_tp": flag,
+    "supports_compile": flag,
+    "checkpoint_formats": format_names,
     "seq_len_fill_value": non_negative_int,
     "priority": integer,
     "max_rank": optional_positive_int,

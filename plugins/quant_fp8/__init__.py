@@ -1,0 +1,52 @@
+"""Quantization method "fp8": FP8 (e4m3) weights with their scales, FP8 activations.
+
+Loads compressed-tensors FP8 checkpoints (per-channel or per-tensor weight scales; dynamic
+per-token or static per-tensor activation scales; block scales), the block-wise "fp8" format of
+Qwen3-FP8 and DeepSeek (128x128 weight blocks, `weight_scale_inv`, dynamic 1x128 activation groups)
+and its per-tensor variant, and quantizes a bf16 checkpoint online (`--quantization fp8`: per-channel
+weight scales, dynamic per-token activations).
+
+On CPU (and on a GPU without FP8 matmuls) the reference path runs: activations quantized exactly as
+on the GPU, then dequantized and multiplied in fp32. On CUDA: torch._scaled_mm for per-tensor and
+row-wise scales, a Triton kernel for block scales. This module only registers; torch is imported
+when the method is built.
+"""
+
+from __future__ import annotations
+
+from backplane import hookimpl
+
+try:
+    from backplane import QuantMethodSpec
+except ImportError:  # NOTE: until `backplane` exports QuantMethodSpec (core/__init__.py); then drop this
+    from backplane.plugin.registry import QuantMethodSpec
+
+NAME = "fp8"
+FORMATS = ("compressed-tensors", "fp8")
+
+
+def _available() -> str | None:
+    import torch
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        return f"torch {torch.__version__} has no float8_e4m3fn dtype (expected torch >= 2.1)"
+    return None
+
+
+def _factory(ctx):
+    from backplane.plugins.quant_fp8.config import make_config
+
+    return make_config(ctx)
+
+
+@hookimpl
+def backplane_register_quant_methods(register):
+    register(QuantMethodSpec(
+        name=NAME, factory=_factory,
+        description="FP8 e4m3 weights and activations: compressed-tensors, block-wise fp8, online",
+        checkpoint_formats=FORMATS, supports_online=True,
+        # LoRA: the LoRA layers read base_layer.weight's dtype and fold into it; an FP8 base needs
+        # them to take the activation dtype instead (not done yet).
+        supports_lora=False, supports_tp=True, supports_graph=True, supports_compile=True,
+        priority=10, available=_available, install_hint="pip install 'torch>=2.1'",
+    ))

@@ -1,0 +1,134 @@
+"""Reading `quantization_config` into an Fp8Scheme: which scales the checkpoint holds and how the
+activations are quantized. Anything quant_fp8 cannot load is one ValueError line naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backplane.contracts import QuantConfig
+from backplane.plugins.quant_fp8.scheme import Fp8Scheme
+
+WEIGHT_STRATEGIES = ("tensor", "channel", "block")
+ACTIVATION_STRATEGIES = ("tensor", "token", "group")
+
+
+ONLINE = Fp8Scheme(weights="channel", activations="token", online=True)
+
+
+class Fp8Config(QuantConfig):
+    """One scheme for every linear layer the core does not keep in high precision."""
+
+    name = "fp8"
+
+    def __init__(self, scheme: Fp8Scheme, ignore: tuple[str, ...] = ()):
+        self.scheme = scheme
+        self._ignore = tuple(ignore)
+
+    def __repr__(self) -> str:
+        return f"Fp8Config({self.scheme}, ignore={self._ignore})"
+
+    @property
+    def ignore(self) -> tuple[str, ...]:
+        return self._ignore
+
+    def method_for(self, layer, prefix: str):
+        from backplane.plugins.quant_fp8.method import Fp8LinearMethod
+
+        return Fp8LinearMethod(self.scheme, prefix)
+
+
+def make_config(ctx) -> Fp8Config:
+    """The Fp8Config of a QuantContext: online for a bf16 checkpoint, else by quant_method."""
+    qc = ctx.checkpoint_config
+    if qc is None:
+        return Fp8Config(ONLINE)
+    if qc.get("quant_method") == "fp8":
+        return Fp8Config(_fp8_scheme(qc), _names(qc, "modules_to_not_convert") + _names(qc, "ignored_layers"))
+    return Fp8Config(_compressed_tensors_scheme(qc), _names(qc, "ignore"))
+
+
+def _names(qc: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = qc.get(key) or ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"quantization_config.{key} = {value!r}: expected a list of module names")
+    return tuple(value)
+
+
+def _block(value: Any, field: str) -> tuple[int, int]:
+    ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)
+    if not ok:
+        raise ValueError(f"quantization_config.{field} = {value!r}: expected [rows, columns] of a weight block, "
+                         "two integers > 0 (e.g. [128, 128])")
+    return int(value[0]), int(value[1])
+
+
+def _fp8_scheme(qc: dict[str, Any]) -> Fp8Scheme:
+    """The "fp8" format (transformers' FineGrainedFP8 / vLLM's Fp8Config checkpoints)."""
+    act = qc.get("activation_scheme", "dynamic")
+    if act not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config.activation_scheme = {act!r}: expected 'dynamic' or 'static'")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt = {fmt!r}: quant_fp8 loads float8 e4m3 weights only (expected 'e4m3')")
+    if qc.get("weight_block_size") is None:
+        return Fp8Scheme(weights="tensor", activations="tensor", static_input=act == "static")
+    if act == "static":
+        raise ValueError("quantization_config: activation_scheme 'static' with weight_block_size: block-wise FP8 "
+                         "quantizes activations dynamically per 1 x block group; expected activation_scheme 'dynamic'")
+    return Fp8Scheme(weights="block", activations="group", block=_block(qc["weight_block_size"], "weight_block_size"),
+                     scale_name="weight_scale_inv")
+
+
+def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme:
+    fmt = qc.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"quantization_config.format = {fmt!r}: quant_fp8 loads 'float-quantized' (or "
+                         "'naive-quantized') compressed-tensors checkpoints")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"quantization_config.config_groups = {groups!r}: expected an object of quantization groups")
+    schemes = {name: _group_scheme(name, group) for name, group in groups.items()}
+    if len(set(schemes.values())) > 1:
+        raise ValueError(f"quantization_config.config_groups: groups {', '.join(schemes)} differ; quant_fp8 "
+                         "loads one scheme for every linear layer")
+    return next(iter(schemes.values()))
+
+
+def _group_scheme(name: str, group: Any) -> Fp8Scheme:
+    where = f"quantization_config.config_groups.{name}"
+    if not isinstance(group, dict):
+        raise ValueError(f"{where}: expected an object with targets, weights, input_activations")
+    targets = group.get("targets") or []
+    if list(targets) != ["Linear"]:
+        raise ValueError(f"{where}.targets = {targets!r}: quant_fp8 loads groups targeting ['Linear']")
+    weights = _float8(group.get("weights"), f"{where}.weights", WEIGHT_STRATEGIES)
+    if weights.get("dynamic"):
+        raise ValueError(f"{where}.weights.dynamic = true: expected static weight scales")
+    block = None
+    if weights["strategy"] == "block":
+        block = _block(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure")
+    acts = group.get("input_activations")
+    if acts is None:
+        return Fp8Scheme(weights=weights["strategy"], activations="none", block=block)
+    acts = _float8(acts, f"{where}.input_activations", ACTIVATION_STRATEGIES)
+    strategy, dynamic = acts["strategy"], bool(acts.get("dynamic"))
+    if strategy in ("token", "group") and not dynamic:
+        raise ValueError(f"{where}.input_activations: strategy {strategy!r} with dynamic false: expected dynamic true")
+    if strategy == "group" and (block is None or acts.get("group_size") != block[1]):
+        raise ValueError(f"{where}.input_activations: strategy 'group' needs block weights whose columns equal "
+                         f"group_size; got group_size {acts.get('group_size')!r}, weight block {block}")
+    return Fp8Scheme(weights=weights["strategy"], activations=strategy, static_input=strategy == "tensor" and not dynamic,
+                     block=block)
+
+
+def _float8(args: Any, where: str, strategies: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: expected an object (num_bits, type, strategy)")
+    if args.get("num_bits") != 8 or args.get("type") != "float":
+        raise ValueError(f"{where}: num_bits {args.get('num_bits')!r}, type {args.get('type')!r}: quant_fp8 loads "
+                         "8-bit float only (expected num_bits 8, type 'float')")
+    if args.get("strategy") not in strategies:
+        raise ValueError(f"{where}.strategy = {args.get('strategy')!r}: expected one of {', '.join(strategies)}")
+    if args.get("symmetric") is False:
+        raise ValueError(f"{where}.symmetric = false: FP8 scales are symmetric; expected true")
+    return args
