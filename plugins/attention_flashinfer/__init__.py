@@ -45,6 +45,7 @@ def backplane_register_attention_backends(register):
             platforms=("cuda",),
             dtypes=("float16", "bfloat16"),
             head_dims=(64, 128, 256),
+            kv_cache_dtypes=("fp8_e4m3",),
             modes=ALL_MODES,
             graph_modes=("extend", "decode", "target_verify", "draft_extend"),
             custom_mask=True,

@@ -6,6 +6,11 @@ FlashInfer fixes the window, soft-cap and softmax scale at plan time, so the bac
 per distinct LayerConfig. The configurations are learned from the layers themselves: the first
 forward pass plans each one when its first layer runs, later passes (and graph captures and
 replays) plan all known ones up front in init_forward_metadata / init_metadata_for_*.
+
+FP8 KV cache: the paged wrappers are planned with kv_data_type float8_e4m3fn and run with the
+layer's k_scale / v_scale (constants per layer, so graph replays use the captured ones); the
+ragged wrapper (the new tokens of a prefill) takes them as the pool gives them back, in q's dtype.
+The fused rotary + KV write is declined over an FP8 pool (`rotary_kv_write` takes no scales).
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ from backplane.attention import AttentionBackend, AttentionBackendContext, Atten
 from backplane import ForwardBatch, ForwardMode
 from backplane.plugins.attention_flashinfer.geometry import ForwardGeometry, GraphBuffers, LayerConfig
 from backplane.plugins.attention_flashinfer.options import FlashInferOptions
-from backplane.plugins.attention_flashinfer.wrappers import Dims, GraphBinding, LayerRunner, WrapperCache, plan_layer
+from backplane.plugins.attention_flashinfer.wrappers import (
+    Dims,
+    GraphBinding,
+    KVView,
+    LayerRunner,
+    WrapperCache,
+    plan_layer,
+)
 
 GRAPH_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
@@ -115,8 +127,9 @@ class FlashInferAttnBackend(AttentionBackend):
     def fuses_rotary_kv_write(self, batch: ForwardBatch) -> bool:
         """Opted in: every route reads the keys from `batch.token_to_kv_pool` (the pool the layer's
         `rotary_kv_write` writes into), and the ragged one takes the new k, v as passed (rotated). One
-        fused launch per layer instead of FlashInfer's rotary plus two indexed writes."""
-        return True
+        fused launch per layer instead of FlashInfer's rotary plus two indexed writes. Declined over
+        an FP8 pool, which `set_kv_buffer` quantizes with the layer's scales."""
+        return not batch.token_to_kv_pool.is_fp8
 
     def forward_extend(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,
                        kv_written: bool = False) -> torch.Tensor:
@@ -134,7 +147,15 @@ class FlashInferAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         kv_cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # [pages, page_size=1, Hkv, D]
-        return runner(q, k, v, kv_cache)
+        if k_buf.dtype != self.dims.kv_dtype:
+            raise ValueError(f"flashinfer attention: layer {layer.layer_id}: the batch's KV pool holds {k_buf.dtype}, "
+                             f"expected {self.dims.kv_dtype} as the backend was built with")
+        return runner(q, k, v, kv_cache, _kv_view(pool, layer.layer_id) if pool.is_fp8 else None)
+
+
+def _kv_view(pool, layer_id: int) -> KVView:
+    k_scale, v_scale = pool.kv_scales(layer_id)
+    return KVView(k_scale, v_scale, lambda k, v: pool.round_trip(layer_id, k, v))
 
 
 def _check_layer(layer: AttentionLayerInfo, dims: Dims) -> None:

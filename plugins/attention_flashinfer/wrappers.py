@@ -41,13 +41,23 @@ ROUTE_ROLES = {DECODE: (DECODE,), RAGGED: (RAGGED,), RAGGED_PREFIX: (RAGGED, PRE
 
 @dataclass(frozen=True)
 class Dims:
-    """Head layout and dtypes every plan of the backend shares."""
+    """Head layout and dtypes every plan of the backend shares (kv_dtype: the pool's, float8_e4m3fn
+    for an FP8 KV cache)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_dtype == torch.float8_e4m3fn
+
+    def kv_dtype_of(self, role: str) -> torch.dtype:
+        """The K/V dtype the wrapper of `role` reads: the pool's for the paged ones; the ragged one
+        takes the new tokens, which over an FP8 pool come dequantized in q's dtype (`LayerRunner`)."""
+        return self.q_dtype if role == RAGGED and self.kv_fp8 else self.kv_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,7 +207,7 @@ def plan(wrapper: Any, role: str, geo: ForwardGeometry, config: LayerConfig, dim
         logits_soft_cap=config.logits_soft_cap,
         sm_scale=config.sm_scale,
         q_data_type=dims.q_dtype,
-        kv_data_type=dims.kv_dtype,
+        kv_data_type=dims.kv_dtype_of(role),
     )
     heads = (dims.num_heads, dims.num_kv_heads, dims.head_dim)
     if role == DECODE:
@@ -228,17 +238,35 @@ class LayerRunner:
     route: str
     wrappers: tuple[Any, ...]
 
-    def __call__(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); kv_cache: ([pages, 1, Hkv, D],) * 2 -> [T, H, D]."""
+    def __call__(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], kv: KVView | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); kv_cache: ([pages, 1, Hkv, D],) * 2 -> [T, H, D].
+
+        kv: the layer's FP8 scales and round trip (None: a pool of the model's dtype). The paged
+        wrappers read the float8 cache and get k_scale / v_scale at run(); the ragged one gets the
+        new tokens as the cache gives them back (dequantized in q's dtype)."""
         q = q.contiguous()
+        scales = {} if kv is None else dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
+        if self.route in (RAGGED, RAGGED_PREFIX):
+            k, v = kv.round_trip(k, v) if kv is not None else (_like(k, kv_cache), _like(v, kv_cache))
+            k, v = k.contiguous(), v.contiguous()
         if self.route == RAGGED:
-            return self.wrappers[0].run(q, _like(k, kv_cache), _like(v, kv_cache))
+            return self.wrappers[0].run(q, k, v)
         if self.route == RAGGED_PREFIX:
             ragged, prefix = self.wrappers
-            o_new, lse_new = ragged.run(q, _like(k, kv_cache), _like(v, kv_cache), return_lse=True)
-            o_old, lse_old = prefix.run(q, kv_cache, return_lse=True)
+            o_new, lse_new = ragged.run(q, k, v, return_lse=True)
+            o_old, lse_old = prefix.run(q, kv_cache, return_lse=True, **scales)
             return merge_attention(o_new, lse_new, o_old, lse_old)
-        return self.wrappers[0].run(q, kv_cache)
+        return self.wrappers[0].run(q, kv_cache, **scales)
+
+
+@dataclass(frozen=True)
+class KVView:
+    """One layer of an FP8 pool as a runner reads it: its scales (stored * scale = value) and
+    `round_trip(k, v)`, the new tokens as the pool gives them back (TokenToKVPool.round_trip)."""
+
+    k_scale: float
+    v_scale: float
+    round_trip: Any
 
 
 def merge_attention(o_a, lse_a, o_b, lse_b) -> torch.Tensor:

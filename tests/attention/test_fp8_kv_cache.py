@@ -297,6 +297,53 @@ def test_triton_interpreted_matches_torch_native_over_fp8(options):
         assert not triton_backend.fuses_rotary_kv_write(batch)
 
 
+class _Recorder:
+    """A FlashInfer wrapper stand-in that records run()'s arguments and returns q (and a zero LSE)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, q, *args, return_lse=False, **kwargs):
+        self.calls.append((args, kwargs))
+        return (q.clone(), torch.zeros(q.shape[:2])) if return_lse else q.clone()
+
+
+def test_flashinfer_glue_passes_the_scales_and_round_trips_the_new_tokens(monkeypatch):
+    """CPU half of flashinfer over an FP8 pool (its kernels run in tests/gpu/test_fp8_kv_gpu.py):
+    paged wrappers get the layer's k_scale / v_scale at run(), the ragged one the new tokens as the
+    pool gives them back in q's dtype (and is planned for that dtype), a pool of the model's dtype
+    gets the calls it always got, and the fused rotary + KV write is declined."""
+    from backplane.plugins.attention_flashinfer import backend as fi_backend
+    from backplane.plugins.attention_flashinfer import wrappers
+    from backplane.plugins.attention_flashinfer.geometry import PAGED, RAGGED, RAGGED_PREFIX
+
+    world = World([3], seed=3)
+    pool = world.pools["fp8"]
+    kv = fi_backend._kv_view(pool, LAYER.layer_id)
+    assert (kv.k_scale, kv.v_scale) == (K_SCALE, V_SCALE)
+    q = torch.randn(4, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    k, v = (torch.randn(4, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
+    cache = tuple(buf.unsqueeze(1) for buf in pool.get_kv_buffer(LAYER.layer_id))
+    monkeypatch.setattr(wrappers, "merge_attention", lambda o_new, lse_new, o_old, lse_old: o_new)
+    ragged, prefix, paged = _Recorder(), _Recorder(), _Recorder()
+    wrappers.LayerRunner(RAGGED_PREFIX, (ragged, prefix))(q, k, v, cache, kv)
+    wrappers.LayerRunner(PAGED, (paged,))(q, k, v, cache, kv)
+    (new_k, new_v), _ = ragged.calls[0]
+    want_k, want_v = pool.round_trip(LAYER.layer_id, k, v)
+    assert new_k.dtype == torch.bfloat16 and torch.equal(new_k, want_k) and torch.equal(new_v, want_v)
+    assert prefix.calls[0] == ((cache,), dict(k_scale=K_SCALE, v_scale=V_SCALE))
+    assert paged.calls[0] == ((cache,), dict(k_scale=K_SCALE, v_scale=V_SCALE))
+    plain = _Recorder()
+    wrappers.LayerRunner(PAGED, (plain,))(q, k, v, cache)
+    assert plain.calls[0] == ((cache,), {})
+    dims = wrappers.Dims(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, FP8_E4M3)
+    assert (dims.kv_dtype_of(RAGGED), dims.kv_dtype_of(PAGED)) == (torch.bfloat16, FP8_E4M3)
+    batches = world.step(ForwardMode.DECODE, [1])
+    ctx = world.context("fp8")
+    backend = fi_backend.FlashInferAttnBackend(ctx)
+    assert not backend.fuses_rotary_kv_write(batches["fp8"]) and backend.fuses_rotary_kv_write(batches["raw"])
+
+
 def test_fused_rotary_kv_write_refuses_an_fp8_cache():
     from backplane.ops.native import rotary_kv_write
 
