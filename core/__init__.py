@@ -16,6 +16,7 @@ from backplane.plugin.registry import (
     CustomOpImpl,
     LoraBackendSpec,
     ModelSpec,
+    QuantMethodSpec,
     SpecAlgorithmSpec,
 )
 from backplane.plugin.version import PLUGIN_API_VERSION
@@ -41,6 +42,7 @@ __all__ = [
     "CustomOpImpl",
     "LoraBackendSpec",
     "ModelSpec",
+    "QuantMethodSpec",
     "EngineArgs",
     "PLUGIN_API_VERSION",
     "SpecAlgorithmSpec",

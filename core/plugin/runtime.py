@@ -28,6 +28,7 @@ PRODUCTS = {
     "lora": ("backplane.contracts.lora", "LoraBackend"),
     "spec": ("backplane.speculative.worker", "SpecWorker"),
     "model": ("torch.nn", "Module"),
+    "quant": ("backplane.contracts.quant", "QuantConfig"),
 }
 
 

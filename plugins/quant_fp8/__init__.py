@@ -16,10 +16,7 @@ from __future__ import annotations
 
 from backplane import hookimpl
 
-try:
-    from backplane import QuantMethodSpec
-except ImportError:  # NOTE: until `backplane` exports QuantMethodSpec (core/__init__.py); then drop this
-    from backplane.plugin.registry import QuantMethodSpec
+from backplane import QuantMethodSpec
 
 NAME = "fp8"
 FORMATS = ("compressed-tensors", "fp8")

@@ -18,9 +18,11 @@ from backplane.plugin.registry import (
     CustomOpImpl,
     LoraBackendSpec,
     ModelSpec,
+    QuantMethodSpec,
     SpecAlgorithmSpec,
 )
-from backplane.plugin.selection import AttentionRequirements, LoraRequirements, select_attention_backend, select_lora_backend
+from backplane.plugin.selection import (AttentionRequirements, LoraRequirements, QuantRequirements,
+                                        select_attention_backend, select_lora_backend, select_quant_method)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK_NAMES = sorted(n for n in dir(hookspecs) if n.startswith("backplane_"))
@@ -46,6 +48,17 @@ def test_backplane_register_lora_backends():
     registry = load_plugins(extra=[plugin]).registry
     req = LoraRequirements(platform="cpu", dtype="float32", max_rank=8)
     assert select_lora_backend(registry, "toy_lora", req).spec is spec
+
+
+def test_backplane_register_quant_methods():
+    spec = QuantMethodSpec(name="toy_quant", factory=object, description="toy", checkpoint_formats=("toy-format",),
+                           priority=1000)
+    plugin = make_plugin("toy_quant_plugin", backplane_register_quant_methods=lambda register: register(spec))
+    registry = load_plugins(extra=[plugin]).registry
+    req = QuantRequirements(platform="cpu", dtype="float32", checkpoint_format="toy-format")
+    assert select_quant_method(registry, "auto", req).spec is spec  # auto follows the checkpoint's quant_method
+    assert select_quant_method(registry, "toy_quant", req).spec is spec
+    assert select_quant_method(registry, "auto", QuantRequirements("cpu", "float32", None)) is None
 
 
 def test_backplane_register_custom_ops():
