@@ -68,12 +68,13 @@ class ModelRunner:
                                    self.device.type, args.custom_op_overrides, registry=self.registry, probe=True),
             dtype=self.dtype, device=self.device, parallel=self.parallel,
         )
+        self.kv_scales = None  # the checkpoint's FP8 KV cache scales (set while its weights load)
         self.model = self._build_model()
         self.layer_infos = [m.info for m in self.model.modules() if isinstance(m, Attention)]
         self.context_len = context_length(args, self.hf_config)
         self.req_to_token_pool, self.token_to_kv_pool = build_pools(
             args, self.pool_config, self.layer_infos, context_len=self.context_len, device=self.device,
-            dtype=self.dtype, parallel=self.parallel)
+            dtype=self.dtype, parallel=self.parallel, kv_scales=self.kv_scales)
         self.attn_backend, self.attn_choices = self._attention_setup().build()
         self.model_ctx.attn_backend = self.attn_backend  # the model's backend, set once
         self.router = router
@@ -187,7 +188,11 @@ class ModelRunner:
         else:
             if hasattr(model, "checkpoint_shapes"):  # a wrong shape is named before any tensor is read
                 check_checkpoint_shapes(safetensors_files(self.source.path), dict(model.checkpoint_shapes()))
-            model.load_weights(iterate_safetensors(self.source.path))
+            from backplane.executor.kv_scales import KVCacheScales
+
+            self.kv_scales = KVCacheScales()
+            tensors = iterate_safetensors(self.source.path)  # the KV cache scales go to the pool, not the model
+            model.load_weights((name, t) for name, t in tensors if not self.kv_scales.offer(name, t))
         process_weights_after_loading(model)
         return model.eval()
 

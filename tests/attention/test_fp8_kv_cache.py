@@ -397,3 +397,25 @@ def test_engine_generates_over_an_fp8_pool_of_twice_the_tokens(monkeypatch):
         assert pool.dtype == (FP8_E4M3 if kv_cache_dtype == "fp8_e4m3" else torch.bfloat16)
         engine.shutdown()
     assert slots["fp8_e4m3"] == 2 * slots["auto"]
+
+
+def test_checkpoint_kv_scales_reach_the_pool_and_not_the_model(tmp_path):
+    """A checkpoint's per-layer k_scale / v_scale tensors (compressed-tensors naming) are taken by the
+    loader for the FP8 pool; strict weight loading never sees them."""
+    from safetensors.torch import load_file, save_file
+
+    from backplane import Engine, SamplingParams
+    from helpers_models import make_hf_model, tiny_hf_config
+
+    config = tiny_hf_config("LlamaForCausalLM")
+    make_hf_model(config, seed=0).save_pretrained(tmp_path)
+    scales = {f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(0.5 + i + (w == "v") / 4)
+              for i in range(config.num_hidden_layers) for w in "kv"}
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**weights, **scales}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine(str(tmp_path), device="cpu", kv_cache_dtype="fp8_e4m3")
+    pool = engine.runner.token_to_kv_pool
+    assert [pool.kv_scales(i) for i in range(config.num_hidden_layers)] == [
+        (0.5 + i, 0.75 + i) for i in range(config.num_hidden_layers)]
+    out = engine.generate(input_ids=[[3, 4, 5]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+    assert out[0].error is None and len(out[0].token_ids) == 3
