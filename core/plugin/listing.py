@@ -30,7 +30,8 @@ def _capabilities(kind: str, spec: Any) -> dict[str, Any]:
                     supports_lora=spec.supports_lora, supports_tp=spec.supports_tp,
                     supports_graph=spec.supports_graph, supports_compile=spec.supports_compile)
     else:
-        caps.update(max_rank=spec.max_rank if spec.max_rank is not None else "any", supports_graph=spec.supports_graph)
+        caps.update(max_rank=spec.max_rank if spec.max_rank is not None else "any", supports_graph=spec.supports_graph,
+                    graph_modes=list(getattr(spec, "graph_modes", ())) if spec.supports_graph else [])
     return caps
 
 
@@ -83,7 +84,7 @@ def _format_capabilities(b: dict[str, Any]) -> str:
         parts += [f"{label} {'yes' if b[key] else 'no'}" for key, label in (
             ("custom_mask", "custom mask"), ("sliding_window", "sliding window"), ("logit_softcap", "soft-cap"))]
     else:
-        parts += [f"max rank {b['max_rank']}", f"graphs {'yes' if b['supports_graph'] else 'no'}"]
+        parts += [f"max rank {b['max_rank']}", f"graphs {','.join(b.get('graph_modes') or []) or '-'}"]
     return "; ".join(parts)
 
 

@@ -26,7 +26,7 @@ def test_json_lists_declared_capabilities(no_bad_plugins, capsys):
     assert native["install"] is None and native["graph_modes"] == []
     assert native["modes"] == ["extend", "decode", "target_verify", "draft_extend"]
     lora = _backends(capsys, "lora_backends")[("triton", "lora_triton")]
-    assert {"dtypes", "max_rank", "supports_graph", "install"} <= set(lora)
+    assert {"dtypes", "max_rank", "supports_graph", "graph_modes", "install"} <= set(lora)
 
 
 def test_text_listing_shows_capabilities_and_install_hint(no_bad_plugins, capsys, monkeypatch):
