@@ -13,6 +13,16 @@ With a backend that folds the shrink into the base GEMM (`LoraBackend.folds_shri
 base weight are two views of one buffer [W; A] (`LoraLinear._fold`), so decode-sized passes run one
 GEMM and one expand launch per projection (not for row-parallel layers on several ranks, whose
 shrink must be all-reduced before the expand).
+
+A quantized base layer (`base_layer.quant_method` set, e.g. FP8 weights): the adapter weights and the
+LoRA arithmetic take the layer's activation dtype (`base_layer.params_dtype`, the model dtype), never
+the quantized weight's; the base output is the quant method's `apply` (the base layer's forward), and
+the delta is added to it as for a plain layer. The folded path is declined for such a layer: a
+high-precision copy of W to stack A under would double the weight memory of an FP8 model and give
+back the FP8 GEMM's speed, so its decode-sized passes run the base layer's own (quantized) GEMM, then
+the backend's unfolded `apply_lora` (the fused shrink-and-expand kernel of triton). The decline is
+logged and shown in the LoRA summary (`fold_declined`, `LoraManager.summary()["decode_path"]`).
+
 Every wrapper of one model reads the current batch from one shared `LoraRuntime`: its
 `batch_info` is the "lora" binding of the ForwardContext bound on the model (None between
 forwards and for a base-only forward: the pass runs without LoRA).
@@ -74,16 +84,20 @@ class LoraLinear(nn.Module):
         self.projections = projections
         self.max_rank = max_rank
         self.offsets = tuple(sum(slice_sizes[:j]) for j in range(len(slice_sizes) + 1))
-        weight = base_layer.weight
-        in_features = weight.shape[1]
+        dtype, device = activation_dtype(base_layer), base_layer.weight.device
+        in_features = input_features(base_layer)
         # NOTE: plain attributes, not buffers: they are not checkpoint weights.
-        self.lora_b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=weight.dtype, device=weight.device)
+        self.lora_b = torch.zeros(num_slots, self.offsets[-1], max_rank, dtype=dtype, device=device)
         self.w_ext = self.bias_ext = None
+        #: why the folded path is not taken for this layer though the backend folds (None: folded, or not asked)
+        self.fold_declined: str | None = None
         a_shape = (num_slots, len(projections) * max_rank, in_features)
         if runtime.backend.folds_shrink and not self._sharded_input:
-            self._fold(a_shape)
-        else:
-            self.lora_a = torch.zeros(a_shape, dtype=weight.dtype, device=weight.device)
+            self.fold_declined = fold_refusal(base_layer)
+            if self.fold_declined is None:
+                self._fold(a_shape)
+        if self.w_ext is None:
+            self.lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
         self.handle = opaque.register_layer(self)  # for torch.ops.backplane.lora_delta under torch.compile
 
     def _fold(self, a_shape: tuple[int, int, int]) -> None:
@@ -167,6 +181,40 @@ class LoraLinear(nn.Module):
             self.lora_b[slot, self.offsets[j] : self.offsets[j + 1], :rank].copy_(b, non_blocking=True)
 
 
+def quant_method_of(base: nn.Module):
+    """The base layer's QuantMethod, or None for a plain (high-precision) linear."""
+    return getattr(base, "quant_method", None)
+
+
+def activation_dtype(base: nn.Module) -> torch.dtype:
+    """The dtype the layer's activations (and so the adapter weights) have: a quantized layer's
+    params_dtype (the model dtype), else its weight's dtype."""
+    if quant_method_of(base) is not None:
+        return base.params_dtype
+    return base.weight.dtype
+
+
+def input_features(base: nn.Module) -> int:
+    """This rank's input columns (a quantized weight may be stored packed; the layer's sizes are not)."""
+    local = getattr(base, "input_size_per_partition", None)
+    return int(local) if local is not None else base.weight.shape[1]
+
+
+def output_features(base: nn.Module) -> int:
+    local = getattr(base, "output_size_per_partition", None)
+    return int(local) if local is not None else base.weight.shape[0]
+
+
+def fold_refusal(base: nn.Module) -> str | None:
+    """Why the shrink cannot be folded into `base`'s GEMM (None: it can): a quantized weight has no
+    high-precision rows to stack A under (see the module docstring)."""
+    method = quant_method_of(base)
+    if method is None:
+        return None
+    return (f"the base weight is quantized ({type(method).__name__}, {base.weight.dtype}): the base runs its "
+            "quantized GEMM, then the unfolded LoRA kernels")
+
+
 class QKVLoraLinear(LoraLinear):
     """q, k, v fused: one stacked shrink, then the fused expand into the three output slices."""
 
@@ -223,7 +271,7 @@ def _wrapper_for(base: nn.Module, attr: str):
     if isinstance(base, ColumnParallelLinear) and attr in FUSED:
         return GateUpLoraLinear, FUSED[attr], list(base.output_sizes)
     if isinstance(base, (ColumnParallelLinear, RowParallelLinear)) and attr not in FUSED:
-        return LoraLinear, (attr,), [base.weight.shape[0]]
+        return LoraLinear, (attr,), [output_features(base)]
     return None
 
 

@@ -97,6 +97,9 @@ class LoraManager:
         self.backend_ctx = self._backend_context(ctx, self.selection)
         self.runtime = LoraRuntime(self.backend, ctx.model_ctx.forward_slot)
         self.layers: list[LoraLinear] = wrap_model(ctx.model, self.runtime, self.num_slots, self.max_rank)
+        self.decode_path = decode_path_of(self.backend, self.layers)
+        if any(layer.fold_declined for layer in self.layers):
+            logger.warning("LoRA: %s", self.decode_path)
         self.adapters = self._load_adapters(ctx.dtype)
         max_segments, max_tokens = self.backend_ctx.max_bs, self.backend_ctx.max_num_tokens
         self.info = LoraBatchInfo.allocate(max_segments, self.num_slots, ctx.device, max_tokens)
@@ -281,7 +284,28 @@ class LoraManager:
             "adapters": {name: {"rank": a.rank, "scaling": a.scaling, "targets": list(a.config.target_modules)}
                          for name, a in self.adapters.items()},
             "max_lora_rank": self.max_rank, "max_loras_per_batch": self.max_loras_per_batch,
+            "decode_path": self.decode_path,
         }
+
+
+def decode_path_of(backend: Any, layers: list[LoraLinear]) -> str:
+    """How decode-sized passes run the LoRA projections, in one line (the summary's "decode_path"):
+    "folded" (the shrink inside the base GEMM, LoraBackend.folds_shrink), "unfolded" (the base
+    layer, then the backend's LoRA kernels), or, where a folding backend is declined for some layers
+    (a quantized base, a row-parallel layer on several ranks), how many and why."""
+    if not backend.folds_shrink:
+        return "unfolded (the backend does not fold the shrink into the base GEMM)"
+    folded = sum(layer.w_ext is not None for layer in layers)
+    if folded == len(layers):
+        return "folded"
+    declined = [layer.fold_declined for layer in layers if layer.fold_declined]
+    parts = []
+    if declined:
+        parts.append(f"{len(declined)} declined: {declined[0]}")
+    sharded = len(layers) - folded - len(declined)
+    if sharded:
+        parts.append(f"{sharded} row-parallel on several ranks (their shrink is all-reduced before the expand)")
+    return f"folded path on {folded} of {len(layers)} projections, unfolded on the others: " + "; ".join(parts)
 
 
 def graph_segment_lens(batch: Any, key: Any) -> list[int]:

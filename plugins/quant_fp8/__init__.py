@@ -42,8 +42,8 @@ def backplane_register_quant_methods(register):
         name=NAME, factory=_factory,
         description="FP8 e4m3 weights and activations: compressed-tensors, block-wise fp8, online",
         checkpoint_formats=FORMATS, supports_online=True,
-        # LoRA: the LoRA layers read base_layer.weight's dtype and fold into it; an FP8 base needs
-        # them to take the activation dtype instead (not done yet).
-        supports_lora=False, supports_tp=True, supports_graph=True, supports_compile=True,
+        # LoRA: adapters in the model dtype over the FP8 base (backplane.lora.layers); the folded
+        # decode path is declined for a quantized base, the unfolded LoRA kernels run instead.
+        supports_lora=True, supports_tp=True, supports_graph=True, supports_compile=True,
         priority=10, available=_available, install_hint="pip install 'torch>=2.1'",
     ))

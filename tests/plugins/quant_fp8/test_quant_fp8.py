@@ -122,12 +122,18 @@ def test_auto_follows_the_checkpoint(registry):
     ("auto", "awq", {}, r"^--quantization auto: no registered quantization method loads quant_method 'awq' checkpoints; "
                         r"registered: fp8 \(plugin 'quant_fp8'\)"),
     ("none", "fp8", {}, r"^--quantization none: the checkpoint is quantized .*expected auto or one of: fp8$"),
-    ("fp8", "fp8", {"lora": True}, r"cannot run here: LoRA not supported \(fix: drop --lora-paths\)\."),
 ])
 def test_refusals_are_one_line(registry, name, fmt, kw, message):
     with pytest.raises(SelectionError, match=message) as err:
         select_quant_method(registry, name, req(fmt, **kw))
     assert "\n" not in str(err.value)
+
+
+def test_lora_is_accepted_over_fp8(registry):
+    """LoRA adapters run over an FP8 base (tests/lora/test_lora_fp8_base.py), online or from a checkpoint."""
+    for fmt in (None, "compressed-tensors", "fp8"):
+        choice = select_quant_method(registry, "fp8", req(fmt, lora=True))
+        assert choice.spec.name == "fp8" and choice.spec.supports_lora
 
 
 def test_a_bad_quantization_config_is_one_line_at_startup(hf_model, tmp_path):
