@@ -21,7 +21,7 @@ from backplane.plugin.registry import (
     QuantMethodSpec,
     SpecAlgorithmSpec,
 )
-from backplane.plugin.selection import (AttentionRequirements, LoraRequirements, QuantRequirements,
+from backplane.plugin.selection import (AttentionRequirements, SelectionError, LoraRequirements, QuantRequirements,
                                         select_attention_backend, select_lora_backend, select_quant_method)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,10 @@ def test_backplane_register_quant_methods():
     assert select_quant_method(registry, "auto", req).spec is spec  # auto follows the checkpoint's quant_method
     assert select_quant_method(registry, "toy_quant", req).spec is spec
     assert select_quant_method(registry, "auto", QuantRequirements("cpu", "float32", None)) is None
+    # A method that does not declare LoRA is refused for a run with adapters, in one line naming why.
+    with pytest.raises(SelectionError) as err:
+        select_quant_method(registry, "toy_quant", QuantRequirements("cpu", "float32", "toy-format", lora=True))
+    assert "\n" not in str(err.value) and "lora" in str(err.value).lower()
 
 
 def test_backplane_register_custom_ops():
