@@ -30,7 +30,7 @@ from bench import peer, report, steps
 from bench.prefill import ttft_ms
 from bench.workload import prompts
 
-VARIANTS = {"off": {"disable_extend_graph": True}, "on": {}}  # built in this order
+VARIANTS = {"off": {"disable_extend_graph": True}, "on": {"disable_extend_graph": False}}  # built in this order
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("scenario", "scenario", ""),
            ("computed", "computed", ""), ("on replays", "replayed", ""), ("off ms", "off_ms", ".2f"),
            ("on ms", "on_ms", ".2f"), ("on/off", "on_off", ".2f"), ("peer ms", "peer_ms", ".2f"),

@@ -96,8 +96,11 @@ class EngineArgs(BaseSettings):
     disable_cuda_graph_padding: bool = Field(
         False, description="replay graphs only at exactly captured batch sizes (default ladder 1..32, 64, 128); "
         "other sizes run eagerly")
+    # NOTE: true by default until the extend graphs have run on a GPU (they were built in a session that
+    # got none); --no-disable-extend-graph captures them.
     disable_extend_graph: bool = Field(
-        False, description="run prefill and extend batches eagerly (decode and verify graphs stay)")
+        True, description="run prefill and extend batches eagerly (decode and verify graphs stay); default "
+        "true until extend graphs are validated on a GPU: --no-disable-extend-graph captures them")
     cuda_graph_max_tokens: int | None = Field(
         None, ge=1, description="largest token bucket of the extend graphs (default: 512, at most "
         "--chunked-prefill-size); larger prefills run eagerly")

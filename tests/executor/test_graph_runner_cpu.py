@@ -139,8 +139,9 @@ def test_graph_participants_of_a_runner():
     engine = Engine("tiny-llama", device="cpu", speculative_algorithm=None)
     parts = engine.runner.graph_participants()
     assert parts[0].plugin == "attention.builtin" and parts[0].graph_modes == ()
-    # torch_native plans on the host per batch: its modes are captured piecewise, never in full.
-    assert capture_kinds(["decode", "extend"], parts) == ({"decode": "piecewise", "extend": "piecewise"}, [])
+    # torch_native plans on the host per batch: its extends are captured piecewise, never in full.
+    kinds, limits = capture_kinds(["decode", "extend"], parts)
+    assert kinds == {"extend": "piecewise"} and "(piecewise: extend)" in limits[0].message()
     no_piecewise = [GraphParticipant(p.plugin, p.item, p.graph_modes, p.serves) for p in parts]
     modes, limits = capturable_modes(["decode"], no_piecewise)
     assert modes == [] and "plugin 'attention.builtin'" in limits[0].message()

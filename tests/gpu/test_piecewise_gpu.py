@@ -1,7 +1,7 @@
 """Piecewise capture (graph segments between eager attention calls) equals eager (GPU).
 
-torch_native declares extend, decode and verify piecewise: its graphs are PiecewiseGraphs whose
-segments sit between its eager attention calls, and greedy generation equals the eager engine's.
+torch_native declares extend piecewise: its extend graphs are PiecewiseGraphs whose segments sit
+between its eager attention calls, and greedy generation equals the eager engine's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 def _engine(**kw) -> Engine:
     return Engine("tiny-llama", device="cuda", dtype="bfloat16", attention_backend="torch_native",
                   max_total_tokens=20000, max_running_requests=16, cuda_graph_max_bs=8, cuda_graph_max_tokens=128,
-                  cuda_graph_max_extend_bs=4, **kw)
+                  cuda_graph_max_extend_bs=4, **{"disable_extend_graph": False, **kw})
 
 
 def test_torch_native_captures_piecewise_and_generates_as_eager():
@@ -27,7 +27,7 @@ def test_torch_native_captures_piecewise_and_generates_as_eager():
     params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     engine = _engine()
     graphs = engine.runner.graph_runner
-    assert graphs is not None and graphs.kinds == {ForwardMode.EXTEND: "piecewise", ForwardMode.DECODE: "piecewise"}
+    assert graphs is not None and graphs.kinds == {ForwardMode.EXTEND: "piecewise"}
     some = next(iter(graphs.graphs.values()))
     layers = engine.runner.model.num_layers
     assert isinstance(some, PiecewiseGraph) and len(some.segments) == layers + 1 and len(some.calls) == layers
@@ -41,7 +41,7 @@ def test_torch_native_captures_piecewise_and_generates_as_eager():
     graphs.replay = counting
     got = [o.token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
     want = [o.token_ids for o in _engine(disable_cuda_graph=True).generate(input_ids=prompts, sampling_params=params)]
-    assert replays["extend"] >= 1 and replays["decode"] >= 10, replays
+    assert replays["extend"] >= 1, replays
     same = sum(a == b for a, b in zip(got, want))
     assert same >= len(prompts) - 1, f"{same}/{len(prompts)} identical"
 
@@ -64,4 +64,4 @@ def test_piecewise_replay_logits_equal_eager_logits():
     runner.forward = checked
     prompts = [[3 + i] * (5 + 7 * i) for i in range(5)]
     outs = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=6, temperature=0))
-    assert all(o.error is None for o in outs) and len(worst) >= 5
+    assert all(o.error is None for o in outs) and len(worst) >= 1

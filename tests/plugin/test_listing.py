@@ -43,7 +43,7 @@ def test_text_listing_shows_capabilities_and_install_hint(no_bad_plugins, capsys
                                       "custom", "mask", "yes;", "sliding", "window", "yes;", "soft-cap", "yes"]
     native = next(i for i, line in enumerate(lines) if line.strip().startswith("torch_native "))
     assert "custom mask yes" in lines[native + 1]
-    assert "graphs - (piecewise extend,decode,target_verify)" in lines[native + 1]
+    assert "graphs - (piecewise extend)" in lines[native + 1]
 
 
 def test_shared_name_is_listed_once_per_plugin_with_its_pin(monkeypatch, capsys):
