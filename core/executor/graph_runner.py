@@ -156,18 +156,10 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     """
     if key.ragged:
         return _pad_extend(static, batch, key, pad_row)
-    bs, n = batch.batch_size, batch.num_tokens
+    bs = batch.batch_size
     pbs, pn = key.batch_size, key.num_tokens
-    static.input_ids[:n].copy_(batch.input_ids)
-    static.positions[:n].copy_(batch.positions)
-    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
-    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-    static.seq_lens[:bs].copy_(batch.seq_lens)
+    _copy_and_pad(static, batch, pbs, pn, pad_row)
     if pbs > bs:
-        static.input_ids[n:pn].zero_()
-        static.positions[n:pn].zero_()
-        static.out_cache_loc[n:pn].zero_()
-        static.req_pool_indices[bs:pbs].fill_(pad_row)
         static.seq_lens[bs:pbs].fill_(fill)
     pad = torch.full((pbs - bs,), fill, dtype=torch.int32)
     seq_lens_cpu = torch.cat([batch.seq_lens_cpu.to(torch.int32), pad])
@@ -175,6 +167,23 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     if key.mode is ForwardMode.TARGET_VERIFY:
         _pad_verify(static, view, key, batch.custom_mask, bs)
     return view
+
+
+def _copy_and_pad(static: StaticInputs, batch: ForwardBatch, pbs: int, pn: int, pad_row: int) -> None:
+    """Copy `batch`'s tokens and requests into the static buffers; padded tokens (up to `pn`) get id,
+    position and slot 0 (K/V to the dump slot), padded requests (up to `pbs`) the row `pad_row`."""
+    bs, n = batch.batch_size, batch.num_tokens
+    static.input_ids[:n].copy_(batch.input_ids)
+    static.positions[:n].copy_(batch.positions)
+    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
+    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+    static.seq_lens[:bs].copy_(batch.seq_lens)
+    if pn > n:
+        static.input_ids[n:pn].zero_()
+        static.positions[n:pn].zero_()
+        static.out_cache_loc[n:pn].zero_()
+    if pbs > bs:
+        static.req_pool_indices[bs:pbs].fill_(pad_row)
 
 
 def extend_lens_cpu(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,11 +209,7 @@ def _pad_extend(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_ro
         raise ValueError(f"graph runner: an extend batch of {bs} requests and {n} tokens does not fit graph "
                          f"{pbs} requests x {pn} tokens (a padded request needs a slot)")
     prefix_cpu, new_cpu = extend_lens_cpu(batch)
-    static.input_ids[:n].copy_(batch.input_ids)
-    static.positions[:n].copy_(batch.positions)
-    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
-    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-    static.seq_lens[:bs].copy_(batch.seq_lens)
+    _copy_and_pad(static, batch, pbs, pn, pad_row)
     new_dev = batch.extend_seq_lens if batch.extend_seq_lens is not None else new_cpu.to(static.seq_lens.device)
     static.extend_seq_lens[:bs].copy_(new_dev)
     if batch.extend_prefix_lens is not None:
@@ -215,10 +220,6 @@ def _pad_extend(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_ro
     static.logits_indices[:bs].sub_(1)
     pad_lens = [pn - n] + [0] * (pbs - bs - 1) if pbs > bs else []
     if pbs > bs:
-        static.input_ids[n:pn].zero_()
-        static.positions[n:pn].zero_()
-        static.out_cache_loc[n:pn].zero_()
-        static.req_pool_indices[bs:pbs].fill_(pad_row)
         static.seq_lens[bs].fill_(pn - n)
         static.extend_seq_lens[bs].fill_(pn - n)
         static.seq_lens[bs + 1:pbs].zero_()
