@@ -1,0 +1,46 @@
+"""MoE backend "triton": tokens sorted by expert in block-aligned runs, then two grouped-GEMM Triton
+kernels (gate/up fused with SiLU-and-mul; down with the router weight applied) and the k-way sum.
+
+Registration only: triton is imported when the backend is built, never when this module loads.
+With TRITON_INTERPRET=1 the kernels also run on CPU tensors (slowly; tests call the backend directly).
+"""
+
+from __future__ import annotations
+
+from backplane import hookimpl
+
+
+def _available() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def _make(ctx):
+    from backplane.plugins.moe_triton.backend import TritonMoeBackend
+
+    return TritonMoeBackend(ctx)
+
+
+@hookimpl
+def backplane_register_moe_backends(register):
+    from backplane.plugin.registry import MoeBackendSpec
+
+    register(
+        MoeBackendSpec(
+            name="triton",
+            factory=_make,
+            description="Triton grouped GEMMs over expert-sorted, block-aligned tokens; gate/up fused with SiLU-and-mul",
+            platforms=("cuda",),
+            dtypes=("bfloat16", "float16", "float32"),
+            supports_graph=True,  # fixed-size workspaces and grids: no host sync, no routing-sized allocation
+            supports_compile=True,  # through the core's opaque op
+            priority=10,
+            available=_available,
+            install_hint="pip install triton",
+        )
+    )
