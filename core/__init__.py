@@ -16,6 +16,7 @@ from backplane.plugin.registry import (
     CustomOpImpl,
     LoraBackendSpec,
     ModelSpec,
+    MoeBackendSpec,
     QuantMethodSpec,
     SpecAlgorithmSpec,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "CustomOpImpl",
     "LoraBackendSpec",
     "ModelSpec",
+    "MoeBackendSpec",
     "QuantMethodSpec",
     "EngineArgs",
     "PLUGIN_API_VERSION",

@@ -74,6 +74,9 @@ class EngineArgs(BaseSettings):
     attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
     decode_attention_backend: str | None = Field(None, description="default: --attention-backend")
+    moe_backend: str = Field(
+        "auto", description="registered MoE backend (NAME or NAME@PLUGIN) or auto, for mixture-of-experts models "
+        "(unused by a dense model)")
     custom_ops: StrList = Field(default_factory=list, description="overrides such as rms_norm=native")
     strict_plugins: bool = Field(False, description="a plugin that fails to load is fatal")
     # LoRA

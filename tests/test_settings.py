@@ -22,6 +22,7 @@ SAMPLES = {
     "attention_backend": (["triton"], "triton", "triton"),
     "prefill_attention_backend": (["torch_native"], "torch_native", "torch_native"),
     "decode_attention_backend": (["triton"], "triton", "triton"),
+    "moe_backend": (["torch_native"], "torch_native", "torch_native"),
     "custom_ops": (["rms_norm=native", "silu_and_mul=native"], "rms_norm=native,silu_and_mul=native",
                    ["rms_norm=native", "silu_and_mul=native"]),
     "strict_plugins": ([], "1", True),

@@ -11,6 +11,7 @@ checks it), so every package above (layers, models, executor, engine, plugins) m
 - `graph`: GraphKey, GraphParticipant, ModeLimit
 - `model`: ModelOutput
 - `protocols`: the collaborators' Protocols (GraphContributor, SchedulerParticipant, ...)
+- `moe`: the MoeBackend ABC (a MoE kernel), MoeLayerInfo, MoeBackendContext
 - `quant`: QuantMethod (a quantized linear layer), QuantConfig, QuantContext, ShardLayout, LinearPartition
 """
 
@@ -22,6 +23,7 @@ from backplane.contracts.lora import LoraBackend, LoraBackendContext, host_offse
 from backplane.contracts.lora_batch import LoraBatchInfo, LoraSegments
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.contracts.model import ModelOutput
+from backplane.contracts.moe import MoeBackend, MoeBackendContext, MoeLayerInfo
 from backplane.contracts.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
 from backplane.contracts.quant import (
     LinearPartition, QuantConfig, QuantContext, QuantMethod, ShardLayout, new_parameter,
@@ -30,7 +32,8 @@ from backplane.contracts.quant import (
 __all__ = [
     "AttentionBackend", "AttentionBackendContext", "AttentionLayerInfo", "ForwardBatch", "ForwardMode",
     "ForwardContext", "ForwardRouter", "ForwardSlot", "GraphContributor", "GraphKey", "GraphParticipant", "HostBatch", "LoraBackend",
-    "LinearPartition", "LoraBackendContext", "LoraBatchInfo", "LoraSegments", "ModeLimit", "ModelOutput", "NestedForwardError",
+    "LinearPartition", "LoraBackendContext", "LoraBatchInfo", "LoraSegments", "ModeLimit", "ModelOutput", "MoeBackend",
+    "MoeBackendContext", "MoeLayerInfo", "NestedForwardError",
     "QuantConfig", "QuantContext", "QuantMethod", "ReqToTokenPool", "RunningRequests",
     "SchedulerParticipant", "ShardLayout", "TokenToKVPool", "host_offsets", "new_parameter",
 ]

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         CustomOpImpl,
         LoraBackendSpec,
         ModelSpec,
+        MoeBackendSpec,
         QuantMethodSpec,
         SpecAlgorithmSpec,
     )
@@ -98,6 +99,22 @@ def backplane_register_quant_methods(register: Callable[[QuantMethodSpec], None]
     ``--quantization NAME@PLUGIN``.
     Semantics: called on every plugin; return values are ignored. Under ``auto`` the
     highest-priority usable method that declares the checkpoint's ``quant_method`` is built.
+    """
+
+
+@hookspec
+def backplane_register_moe_backends(register: Callable[[MoeBackendSpec], None]) -> None:
+    """Register mixture-of-experts backends (selected by ``--moe-backend NAME|auto``).
+
+    When: once, during plugin discovery.
+    Must: call ``register(MoeBackendSpec(...))`` once per backend, declaring the platforms, dtypes,
+    top-k and expert-count limits, graph and compile support and the quantization methods whose
+    expert weights it computes with; import nothing heavy (the factory imports its kernels when a
+    MoE model is built).
+    Params: register -- validates at once; a name registered by two plugins must be pinned with
+    ``--moe-backend NAME@PLUGIN``.
+    Semantics: called on every plugin; return values are ignored. For a MoE model, ``auto`` builds
+    the highest-priority usable backend; for a dense model none is built.
     """
 
 

@@ -29,10 +29,18 @@ def _capabilities(kind: str, spec: Any) -> dict[str, Any]:
         caps.update(checkpoint_formats=list(spec.checkpoint_formats), supports_online=spec.supports_online,
                     supports_lora=spec.supports_lora, supports_tp=spec.supports_tp,
                     supports_graph=spec.supports_graph, supports_compile=spec.supports_compile)
+    elif kind == "moe":
+        caps.update(max_top_k=_any(spec.max_top_k), max_experts=_any(spec.max_experts),
+                    supports_graph=spec.supports_graph, supports_compile=spec.supports_compile,
+                    quant_methods=list(spec.quant_methods))
     else:
-        caps.update(max_rank=spec.max_rank if spec.max_rank is not None else "any", supports_graph=spec.supports_graph,
+        caps.update(max_rank=_any(spec.max_rank), supports_graph=spec.supports_graph,
                     graph_modes=list(getattr(spec, "graph_modes", ())) if spec.supports_graph else [])
     return caps
+
+
+def _any(limit: int | None) -> int | str:
+    return "any" if limit is None else limit
 
 
 def _backend_status(kind: str, reg: Registered, registry: Registry, platform: str) -> dict[str, Any]:
@@ -53,7 +61,7 @@ def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
     platform = current_platform()
     registry = plugin_set.registry
     backends = {kind: [_backend_status(kind, reg, registry, platform) for reg in registry.registrations(kind)]
-                for kind in ("attention", "lora", "quant")}
+                for kind in ("attention", "lora", "quant", "moe")}
     return {
         "platform": platform,
         "plugin_api": PLUGIN_API_VERSION,
@@ -61,6 +69,7 @@ def describe_plugins(plugin_set: PluginSet) -> dict[str, Any]:
         "attention_backends": backends["attention"],
         "lora_backends": backends["lora"],
         "quant_methods": backends["quant"],
+        "moe_backends": backends["moe"],
         "custom_ops": sorted(registry.specs("custom_op")),
         "spec_algorithms": sorted(registry.specs("spec")),
         "models": sorted(registry.specs("model")),
@@ -76,6 +85,10 @@ def _format_capabilities(b: dict[str, Any]) -> str:
         parts += [f"{label} {'yes' if b[key] else 'no'}" for key, label in (
             ("supports_lora", "lora"), ("supports_tp", "tp"), ("supports_graph", "graphs"),
             ("supports_compile", "compile"))]
+    elif "max_top_k" in b:
+        parts += [f"max top-k {b['max_top_k']}", f"max experts {b['max_experts']}",
+                  f"graphs {'yes' if b['supports_graph'] else 'no'}", f"compile {'yes' if b['supports_compile'] else 'no'}",
+                  f"quantized {','.join(b['quant_methods']) or '-'}"]
     elif "modes" in b:
         head_dims = b["head_dims"] if b["head_dims"] == "any" else ",".join(map(str, b["head_dims"]))
         parts += [f"modes {','.join(b['modes'])}", f"graphs {','.join(b['graph_modes']) or '-'}"
@@ -96,7 +109,7 @@ def format_plugins(report: dict[str, Any]) -> str:
         status = f"FAILED: {p['error']}" if p["error"] else ", ".join(p["registered"]) or "-"
         lines.append(f"  {p['name']:<24} {origin:<24} api {p['api'] or '-':<4} {p['load_seconds']:6.3f}s  {status}")
     for title, key in (("attention backends", "attention_backends"), ("LoRA backends", "lora_backends"),
-                       ("quantization methods", "quant_methods")):
+                       ("quantization methods", "quant_methods"), ("MoE backends", "moe_backends")):
         lines += ["", f"{title}:"]
         for b in report.get(key, []):
             state = "usable" if b["usable"] else "unusable: " + "; ".join(b["reasons"])

@@ -33,6 +33,7 @@ __all__ = ["CORE_DISTRIBUTION", "ENTRY_POINT_GROUP", "PluginHookError", "PluginI
 BUILTIN_PLUGINS = (
     "backplane.attention.builtin",
     "backplane.lora.builtin",
+    "backplane.moe.builtin",
     "backplane.ops.builtin",
     "backplane.models.builtin",
 )

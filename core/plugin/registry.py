@@ -127,6 +127,39 @@ class QuantMethodSpec:
 
 
 @dataclass(frozen=True)
+class MoeBackendSpec:
+    """A mixture-of-experts backend: a lazy factory and the capabilities it declares.
+
+    factory(ctx: backplane.contracts.MoeBackendContext) -> backplane.contracts.MoeBackend, importing its
+    kernels lazily. Defaults (docs/plugins.md, "MoE backends"), each the one that cannot give wrong
+    output when forgotten:
+      platforms: ("cpu", "cuda"); dtypes: all three (the run's activation dtype).
+      max_top_k, max_experts: None - any; else selection refuses a model routing each token to more
+        experts, or having more experts per layer, than declared.
+      supports_graph, supports_compile: False - selection refuses the backend for a run with CUDA
+        graphs or torch.compile unless declared (`apply` must then be capturable / run as the opaque op).
+      quant_methods: () - unquantized expert weights only; else the names of the quantization
+        methods (--quantization) whose expert weights it computes with.
+      priority: 0 (`auto` takes the highest usable); available(): None when usable here, else the
+        reason; install_hint: "".
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    description: str
+    platforms: tuple[str, ...] = PLATFORMS
+    dtypes: tuple[str, ...] = ALL_DTYPES
+    max_top_k: int | None = None
+    max_experts: int | None = None
+    supports_graph: bool = False
+    supports_compile: bool = False
+    quant_methods: tuple[str, ...] = ()
+    priority: int = 0
+    available: Callable[[], str | None] = _always_available
+    install_hint: str = ""
+
+
+@dataclass(frozen=True)
 class CustomOpImpl:
     """One implementation of a named custom op on one platform; the highest priority usable one wins.
 
@@ -218,6 +251,8 @@ KINDS: dict[str, PluginKind] = {kind.name: kind for kind in (
     PluginKind("model", ModelSpec, "model architecture", "backplane_register_models",
                lambda spec: spec.architecture),
     PluginKind("quant", QuantMethodSpec, "quantization method", "backplane_register_quant_methods",
+               lambda spec: spec.name, pinnable=True),
+    PluginKind("moe", MoeBackendSpec, "MoE backend", "backplane_register_moe_backends",
                lambda spec: spec.name, pinnable=True),
     PluginKind("settings", SettingsGroup, "settings group", "backplane_register_settings",
                lambda group: group.group),

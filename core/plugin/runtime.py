@@ -29,6 +29,7 @@ PRODUCTS = {
     "spec": ("backplane.speculative.worker", "SpecWorker"),
     "model": ("torch.nn", "Module"),
     "quant": ("backplane.contracts.quant", "QuantConfig"),
+    "moe": ("backplane.contracts.moe", "MoeBackend"),
 }
 
 

@@ -61,6 +61,24 @@ class QuantRequirements:
 
 
 @dataclass(frozen=True)
+class MoeRequirements:
+    """What a mixture-of-experts model and the run need from a MoE backend.
+
+    num_experts, top_k: the model's experts per layer and experts per token. quant: the run's
+    quantization method name (--quantization as selected), None for unquantized weights. graphs,
+    compile: the run captures CUDA graphs / runs under torch.compile.
+    """
+
+    platform: str
+    dtype: str
+    num_experts: int
+    top_k: int
+    quant: str | None = None
+    graphs: bool = False
+    compile: bool = False
+
+
+@dataclass(frozen=True)
 class Selection:
     """The chosen spec and a one-line explanation of the choice.
 
@@ -113,6 +131,30 @@ def quant_unusable_reasons(spec: Any, req: QuantRequirements) -> list[str]:
             (req.lora, spec.supports_lora, "LoRA", "drop --lora-paths"),
             (req.tensor_parallel, spec.supports_tp, "tensor parallelism", "--tp-size 1"),
             (req.graphs, spec.supports_graph, "CUDA graphs", "--disable-cuda-graph"),
+            (req.compile, spec.supports_compile, "torch.compile", "drop --enable-torch-compile")):
+        if needed and not declared:
+            reasons.append(f"{label} not supported (fix: {fix})")
+    return reasons
+
+
+# NOTE: the bundled moe_triton plugin's backend captures graphs; the core's torch_native does not
+# (its per-expert token counts decide tensor shapes), so a graph run names both ways out.
+MOE_GRAPH_FIX = "--disable-cuda-graph, or a MoE backend with supports_graph such as triton of the bundled moe_triton plugin"
+
+
+def moe_unusable_reasons(spec: Any, req: MoeRequirements) -> list[str]:
+    """Every reason MoE backend `spec` cannot serve this model in this run, each with its fix."""
+    reasons = _common_reasons(spec, req.platform, req.dtype)
+    if spec.max_top_k is not None and req.top_k > spec.max_top_k:
+        reasons.append(f"top-k {req.top_k} above its maximum {spec.max_top_k}")
+    if spec.max_experts is not None and req.num_experts > spec.max_experts:
+        reasons.append(f"{req.num_experts} experts above its maximum {spec.max_experts}")
+    if req.quant is not None and req.quant not in spec.quant_methods:
+        reasons.append(f"expert weights quantized by {req.quant!r} not supported (supports: "
+                       f"{_join(spec.quant_methods) or 'unquantized only'}; fix: --quantization none, or a MoE "
+                       f"backend declaring quant_methods {req.quant})")
+    for needed, declared, label, fix in (
+            (req.graphs, spec.supports_graph, "CUDA graphs", MOE_GRAPH_FIX),
             (req.compile, spec.supports_compile, "torch.compile", "drop --enable-torch-compile")):
         if needed and not declared:
             reasons.append(f"{label} not supported (fix: {fix})")
@@ -202,6 +244,14 @@ def select_quant_method(registry: Registry, name: str, req: QuantRequirements,
                                  f"checkpoints; registered: {_listing(registry, 'quant') or 'none'}"
                                  + _not_loaded(registry))
     return _select(registry, "quant", name, lambda s: quant_unusable_reasons(s, req), flag, req)
+
+
+def select_moe_backend(registry: Registry, name: str, req: MoeRequirements,
+                       flag: str = "--moe-backend") -> Selection:
+    """The MoE backend for `name` (NAME, NAME@PLUGIN or `auto`) serving a MoE model; called only
+    for a MoE model (for a dense one the flag is unused). Never a fallback: `auto` under CUDA graphs
+    with no graph-capable backend is a SelectionError naming the fix, like any other refusal."""
+    return _select(registry, "moe", name, lambda s: moe_unusable_reasons(s, req), flag, req)
 
 
 def _quant_loaders(registry: Registry, fmt: str) -> str:
@@ -308,6 +358,11 @@ def _not_loaded(registry: Registry) -> str:
 
 
 def _describe(req) -> str:
+    if isinstance(req, MoeRequirements):
+        uses = [label for on, label in ((req.graphs, "CUDA graphs"), (req.compile, "torch.compile")) if on]
+        return (f"a MoE model ({req.num_experts} experts, top-k {req.top_k}) on platform {req.platform!r} with dtype "
+                f"{req.dtype}" + (f", weights quantized by {req.quant!r}" if req.quant else "")
+                + (f", under {' and '.join(uses)}" if uses else ""))
     if isinstance(req, QuantRequirements):
         return f"quant_method {req.checkpoint_format!r} checkpoints on platform {req.platform!r} with dtype {req.dtype}"
     return f"on platform {req.platform!r} with dtype {req.dtype}" + (

@@ -66,11 +66,14 @@ def tuple_of(choices: tuple[str, ...], empty_ok: bool = False) -> Check:
     return check
 
 
-def format_names(value: Any) -> str | None:
-    """quant_method strings of quantization_config: distinct non-empty one-line strings (may be empty)."""
-    ok = (isinstance(value, (tuple, list)) and all(non_empty_str(v) is None for v in value)
-          and len(set(value)) == len(value))
-    return None if ok else "a tuple of distinct non-empty strings (quantization_config quant_method values)"
+def distinct_names(what: str) -> Check:
+    """A tuple or list of distinct non-empty one-line strings, maybe empty (`what` they name)."""
+    def check(value: Any) -> str | None:
+        ok = (isinstance(value, (tuple, list)) and all(non_empty_str(v) is None for v in value)
+              and len(set(value)) == len(value))
+        return None if ok else f"a tuple of distinct non-empty strings ({what})"
+
+    return check
 
 
 def head_dims(value: Any) -> str | None:
@@ -109,10 +112,13 @@ FIELD_RULES: dict[str, Check] = {
     "supports_online": flag,
     "supports_tp": flag,
     "supports_compile": flag,
-    "checkpoint_formats": format_names,
+    "checkpoint_formats": distinct_names("quantization_config quant_method values"),
     "seq_len_fill_value": non_negative_int,
     "priority": integer,
     "max_rank": optional_positive_int,
+    "max_top_k": optional_positive_int,
+    "max_experts": optional_positive_int,
+    "quant_methods": distinct_names("quantization method names; () for unquantized only"),
 }
 
 

@@ -1,0 +1,23 @@
+"""The core's builtin plugin for mixture of experts: registers the torch_native reference backend."""
+
+from backplane.plugin.hookspecs import hookimpl
+from backplane.plugin.registry import MoeBackendSpec
+
+
+def torch_native_backend(ctx=None):
+    """The torch_native MoeBackend for `ctx` (a MoeBackendContext; None: it reads nothing of it)."""
+    from backplane.moe.torch_native import TorchNativeMoeBackend
+
+    return TorchNativeMoeBackend(ctx)
+
+
+# NOTE: no graphs (the loop's shapes follow the routing, and it counts tokens on the host); compile
+# yes: under torch.compile every backend runs eagerly inside the opaque op backplane::moe_experts.
+SPEC = MoeBackendSpec(
+    name="torch_native", factory=torch_native_backend, supports_compile=True,
+    description="the reference: a loop over experts (gather tokens, gate/up, silu*up, down, weighted sum in fp32)")
+
+
+@hookimpl
+def backplane_register_moe_backends(register):
+    register(SPEC)
