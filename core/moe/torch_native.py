@@ -53,10 +53,12 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if num_tokens == 0:
         return out.to(x.dtype)
     flat_ids = topk_ids.reshape(-1).long()  # [T * k]: token t's j-th choice at t * k + j
+    lowest, highest = torch.stack([flat_ids.min(), flat_ids.max()]).tolist()  # NOTE: host sync
+    if lowest < 0 or highest >= num_experts:
+        raise ValueError(f"MoE: topk_ids out of range; expected expert ids in [0, {num_experts}), got "
+                         f"{lowest}..{highest}")
     order = torch.argsort(flat_ids, stable=True)  # the choices grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # NOTE: host sync
-    if len(counts) > num_experts or int(flat_ids.min()) < 0:
-        raise ValueError(f"MoE: topk_ids out of range; expected expert ids in [0, {num_experts})")
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     tokens_of = order // top_k  # [T * k]: the token of each grouped choice
     weights_of = topk_weights.reshape(-1)[order]
     start = 0
