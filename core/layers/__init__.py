@@ -11,6 +11,8 @@ plugin") gives every constructor argument and the shapes of every forward.
 - `Attention` (hands q, k, v to the forward's attention backend)
 - `LogitsProcessor` (rows that need logits, fp32, the context's `logits_out`, final soft-cap),
   `select_logits_rows`
+- `FusedMoE` (router, stacked experts on the model's MoE backend, optional shared expert) and
+  `expert_params_mapping` (per-expert checkpoint tensors onto its stacked weights)
 """
 
 from backplane.layers.activation import GeluAndMul, SiluAndMul
@@ -23,12 +25,13 @@ from backplane.layers.linear import (
     RowParallelLinear,
 )
 from backplane.layers.logits import LogitsProcessor, select_logits_rows
+from backplane.layers.moe import FusedMoE, expert_params_mapping
 from backplane.layers.norm import RMSNorm
 from backplane.layers.parallel import ParallelContext
 from backplane.layers.rotary import RotaryEmbedding
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "GeluAndMul", "LogitsProcessor", "MergedColumnParallelLinear", "ParallelContext",
+    "Attention", "ColumnParallelLinear", "FusedMoE", "GeluAndMul", "LogitsProcessor", "MergedColumnParallelLinear", "ParallelContext",
     "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
-    "VocabParallelEmbedding", "select_logits_rows",
+    "VocabParallelEmbedding", "expert_params_mapping", "select_logits_rows",
 ]
