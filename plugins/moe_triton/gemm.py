@@ -1,0 +1,162 @@
+"""The two grouped GEMMs over the expert-sorted layout of align.py.
+
+One program computes a [BLOCK_M, BLOCK_N] tile of one BLOCK_M block of sorted pairs, all of one
+expert: its rows are gathered by pair number, its weights are that expert's. Programs whose block
+starts at or past num_post_padded exit at once, so the grid (every block the worst routing needs,
+times the column tiles) depends on shapes only. Blocks are visited GROUP_M at a time per column
+tile, so neighbouring programs reuse an expert's weight tile from L2.
+
+- gate_up: h[p] = silu(x[p // k] @ w13[e, :I]^T) * (x[p // k] @ w13[e, I:]^T), both halves in one
+  program (two accumulators), h [T * k, I] indexed by pair;
+- down: out[p] = topk_weight[p] * (h[p] @ w2[e]^T), out [T * k, H] indexed by pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One GEMM's tile sizes and launch settings (BLOCK_M comes from the layout)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _tile(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(block, column tile) of this program: GROUP_M consecutive blocks per column tile."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _block_rows(sorted_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+    """(pair numbers [BLOCK_M], row mask, expert as int64) of a block."""
+    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(expert_ids_ptr + block).to(tl.int64)
+    return pairs, pairs < num_pairs, expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    num_pairs, top_k, num_blocks, N, K,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm, stride_hn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [T * k, N]; N = I, K = H
+    block, pid_n = _tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if block * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    pairs, rows_ok, expert = _block_rows(sorted_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M)
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + N * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k
+            a = tl.load(a_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        gate = tl.dot(a, g, acc=gate, input_precision=PRECISION)
+        up = tl.dot(a, u, acc=up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = gate * tl.sigmoid(gate) * up
+    h_ptrs = h_ptr + pairs[:, None].to(tl.int64) * stride_hm + offs_n[None, :] * stride_hn
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=rows_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    num_pairs, num_blocks, N, K,
+    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # h: [T * k, K]; w: [E, N, K]; weights: [T * k] float32; out: [T * k, N]; N = H, K = I
+    block, pid_n = _tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if block * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    pairs, rows_ok, expert = _block_rows(sorted_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M)
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k
+            a = tl.load(a_ptrs, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc=acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+    acc *= tl.load(weights_ptr + rows, mask=rows_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & n_ok[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+            num_post_padded: torch.Tensor, top_k: int, num_blocks: int, block_m: int, launch: Launch) -> None:
+    """h[:T * k] = silu(gate) * up of every pair. x: [T, H]; w13: [E, 2I, H]; h: [>= T * k, I], x's dtype."""
+    num_pairs, n, k = x.shape[0] * top_k, w13.shape[1] // 2, x.shape[1]
+    grid = (num_blocks * triton.cdiv(n, launch.block_n),)
+    _gate_up_kernel[grid](
+        x, w13, h, sorted_ids, expert_ids, num_post_padded, num_pairs, top_k, num_blocks, n, k,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0), h.stride(1),
+        BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
+        EVEN_K=k % launch.block_k == 0, PRECISION=_precision(x.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+
+
+def down(h: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+         expert_ids: torch.Tensor, num_post_padded: torch.Tensor, num_pairs: int, num_blocks: int, block_m: int,
+         launch: Launch) -> None:
+    """out[:num_pairs] = weight * (h @ w2[e]^T) of every pair. h: [>= num_pairs, I]; w2: [E, H, I];
+    weights: [num_pairs] float32; out: [>= num_pairs, H], h's dtype."""
+    n, k = w2.shape[1], w2.shape[2]
+    grid = (num_blocks * triton.cdiv(n, launch.block_n),)
+    _down_kernel[grid](
+        h, w2, out, weights, sorted_ids, expert_ids, num_post_padded, num_pairs, num_blocks, n, k,
+        h.stride(0), h.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, GROUP_M=launch.group_m,
+        EVEN_K=k % launch.block_k == 0, PRECISION=_precision(h.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
