@@ -7,7 +7,9 @@ With TRITON_INTERPRET=1 the kernels also run on CPU tensors (slowly; tests call 
 
 from __future__ import annotations
 
-from backplane import hookimpl
+from backplane import MoeBackendSpec, hookimpl
+
+MAX_EXPERTS = 1024  # align.MAX_EXPERTS (not imported here: that module imports triton)
 
 
 def _available() -> str | None:
@@ -28,8 +30,6 @@ def _make(ctx):
 
 @hookimpl
 def backplane_register_moe_backends(register):
-    from backplane.plugin.registry import MoeBackendSpec
-
     register(
         MoeBackendSpec(
             name="triton",
@@ -37,6 +37,7 @@ def backplane_register_moe_backends(register):
             description="Triton grouped GEMMs over expert-sorted, block-aligned tokens; gate/up fused with SiLU-and-mul",
             platforms=("cuda",),
             dtypes=("bfloat16", "float16", "float32"),
+            max_experts=MAX_EXPERTS,
             supports_graph=True,  # fixed-size workspaces and grids: no host sync, no routing-sized allocation
             supports_compile=True,  # through the core's opaque op
             priority=10,
@@ -44,3 +45,10 @@ def backplane_register_moe_backends(register):
             install_hint="pip install triton",
         )
     )
+
+
+@hookimpl
+def backplane_register_settings(register):
+    from backplane.plugins.moe_triton.options import TritonMoeOptions
+
+    register("triton-moe", TritonMoeOptions)
