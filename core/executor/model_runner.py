@@ -20,6 +20,7 @@ from backplane.contracts.model import ModelOutput
 from backplane.contracts.protocols import ForwardRouter, GraphContributor
 from backplane.executor.attention_setup import AttentionSetup
 from backplane.executor.compiled import compiles_batch
+from backplane.executor.moe_setup import MoeSetup, moe_shape, note_dense_model, process_moe_layers, register_moe_layers
 from backplane.executor.resources import (  # noqa: F401  (re-exported: their import path before the split)
     CPU_KV_BUDGET_BYTES, ModelSource, available_memory, build_pools, check_pool_memory, context_length, dtype_name,
     resolve_device, resolve_dtype, resolve_model_source,
@@ -173,6 +174,7 @@ class ModelRunner:
 
         spec = get_model_spec(self.registry.specs("model"), self.hf_config)
         quant = self._quant_config()  # refused in one line before anything is allocated
+        self._moe_setup()  # before the model: its MoE layers read model_ctx.moe_backend
         # NOTE: before a byte is allocated: a huge vocabulary or context is one line, not an OOM.
         check_model_memory(self.hf_config, self.dtype.itemsize, available_memory(self.device), self.device.type,
                            self.parallel.tp_size)
@@ -183,6 +185,8 @@ class ModelRunner:
                 kept = quantize_linears(model, quant, getattr(model, "stacked_params", None))
                 logger.info("quantization %s: %s", self.quant_choice.spec.name,
                             f"kept in {dtype_name(self.dtype)}: {', '.join(kept)}" if kept else "every linear layer")
+            if self.moe_choice is not None:
+                register_moe_layers(model, self.model_ctx.moe_backend)
         if self.source.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:
@@ -194,7 +198,20 @@ class ModelRunner:
             tensors = iterate_safetensors(self.source.path)  # the KV cache scales go to the pool, not the model
             model.load_weights((name, t) for name, t in tensors if not self.kv_scales.offer(name, t))
         process_weights_after_loading(model)
+        process_moe_layers(model)
         return model.eval()
+
+    def _moe_setup(self) -> None:
+        """For a MoE model, select and build the MoE backend (--moe-backend) and make it the model's;
+        sets moe_choice (None for a dense model, which builds none)."""
+        shape = moe_shape(self.hf_config)
+        self.moe_choice = None
+        if shape is None:
+            note_dense_model(self.registry, self.args.moe_backend)
+            return
+        quant = self.quant_choice.spec.name if self.quant_choice is not None else None
+        setup = MoeSetup(self.args, self.registry, shape, self.device, self.dtype, self.pool_config, quant)
+        self.model_ctx.moe_backend, self.moe_choice = setup.build()
 
     def _quant_config(self) -> Any:
         """The QuantConfig of --quantization for this checkpoint (None: unquantized); sets quant_choice."""
@@ -271,13 +288,17 @@ class ModelRunner:
             return model(batch)
 
     def backends_summary(self) -> dict[str, Any]:
-        """Which plugin served what (shown by `generate --json` and `bench`)."""
-        return {
+        """Which plugin served what (shown by `generate --json` and `bench`); "moe" only for a MoE model."""
+        summary = {
             "attention": {role: {"backend": c.spec.name, "plugin": c.plugin, "why": c.reason}
                           for role, c in self.attn_choices.items()},
             "custom_ops": dict(self.model_ctx.ops.chosen),
             "device": str(self.device), "dtype": dtype_name(self.dtype),
         }
+        if self.moe_choice is not None:  # a MoE model
+            summary["moe"] = {"backend": self.moe_choice.spec.name, "plugin": self.moe_choice.plugin,
+                              "why": self.moe_choice.reason}
+        return summary
 
 
 def legacy_capture_hidden(batch: ForwardBatch) -> bool:

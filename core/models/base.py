@@ -26,6 +26,9 @@ class ModelContext:
       read `attn_backend` and `ops` of the bound ForwardContext (`forward_slot`), which the runner
       enters once per forward (graph capture once per graph); between forwards nothing is bound.
     dtype, device: where the parameters live. parallel: this rank's tensor-parallel position.
+    moe_backend: the model's MoeBackend (backplane.contracts.moe), shared by its MoE layers; the
+      model runner sets it before the model is built (--moe-backend). When nothing set it (a model
+      built directly, in a test), the core's torch_native reference, built on first use.
     """
 
     def __init__(self, attn_backend: Any = None, ops: CustomOps | None = None, dtype: torch.dtype = torch.float32,
@@ -36,6 +39,7 @@ class ModelContext:
         self.device = device
         self.parallel = parallel if parallel is not None else ParallelContext()
         self.forward_slot = ForwardSlot("model")
+        self._moe_backend: Any = None
 
     def __repr__(self) -> str:
         return (f"ModelContext(dtype={self.dtype}, device={self.device}, parallel={self.parallel}, "
@@ -55,6 +59,19 @@ class ModelContext:
     @attn_backend.setter
     def attn_backend(self, backend: Any) -> None:
         self.default_attn_backend = backend
+
+    @property
+    def moe_backend(self) -> Any:
+        """The model's MoeBackend; torch_native when none was set (built once, on first use)."""
+        if self._moe_backend is None:
+            from backplane.moe.builtin import torch_native_backend
+
+            self._moe_backend = torch_native_backend()
+        return self._moe_backend
+
+    @moe_backend.setter
+    def moe_backend(self, backend: Any) -> None:
+        self._moe_backend = backend
 
     @property
     def ops(self) -> CustomOps:
