@@ -18,11 +18,13 @@ from backplane.plugin.registry import (
     CustomOpImpl,
     LoraBackendSpec,
     ModelSpec,
+    MoeBackendSpec,
     QuantMethodSpec,
     SpecAlgorithmSpec,
 )
-from backplane.plugin.selection import (AttentionRequirements, SelectionError, LoraRequirements, QuantRequirements,
-                                        select_attention_backend, select_lora_backend, select_quant_method)
+from backplane.plugin.selection import (AttentionRequirements, SelectionError, LoraRequirements, MoeRequirements,
+                                        QuantRequirements, select_attention_backend, select_lora_backend,
+                                        select_moe_backend, select_quant_method)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOK_NAMES = sorted(n for n in dir(hookspecs) if n.startswith("backplane_"))
@@ -63,6 +65,19 @@ def test_backplane_register_quant_methods():
     with pytest.raises(SelectionError) as err:
         select_quant_method(registry, "toy_quant", QuantRequirements("cpu", "float32", "toy-format", lora=True))
     assert "\n" not in str(err.value) and "lora" in str(err.value).lower()
+
+
+def test_backplane_register_moe_backends():
+    spec = MoeBackendSpec(name="toy_moe", factory=object, description="toy", supports_graph=True, priority=1000)
+    plugin = make_plugin("toy_moe_plugin", backplane_register_moe_backends=lambda register: register(spec))
+    registry = load_plugins(extra=[plugin]).registry
+    assert registry.provenance("moe", "toy_moe").plugin == "toy_moe_plugin"
+    req = MoeRequirements(platform="cpu", dtype="float32", num_experts=8, top_k=2)
+    assert select_moe_backend(registry, "auto", req).spec is spec
+    # Under CUDA graphs the core's torch_native (no graphs) is refused in one line naming the fix.
+    with pytest.raises(SelectionError) as err:
+        select_moe_backend(registry, "torch_native", MoeRequirements("cuda", "bfloat16", 8, 2, graphs=True))
+    assert "\n" not in str(err.value) and "--disable-cuda-graph" in str(err.value)
 
 
 def test_backplane_register_custom_ops():

@@ -63,3 +63,21 @@ def test_shared_name_is_listed_once_per_plugin_with_its_pin(monkeypatch, capsys)
         ("attention.builtin", "torch_native@attention.builtin", ["shadow"]),
         ("shadow", "torch_native@shadow", ["attention.builtin"])]
     assert "select it as torch_native@shadow" in format_plugins(report)
+
+
+def test_moe_backends_are_listed_with_their_limits(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("BACKPLANE_PLUGINS", "moe_triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    backends = _backends(capsys, "moe_backends")
+    native = backends[("torch_native", "moe.builtin")]
+    assert native["usable"] and native["supports_graph"] is False and native["quant_methods"] == []
+    assert native["max_top_k"] == native["max_experts"] == "any"
+    assert backends[("triton", "moe_triton")]["supports_graph"] is True
+    assert main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("MoE backends:")) + 1
+    assert lines[row].split()[:2] == ["torch_native", "prio"] and "plugin moe.builtin" in lines[row]
+    assert lines[row + 1].split() == ["dtypes", "float32,float16,bfloat16;", "max", "top-k", "any;", "max", "experts",
+                                      "any;", "graphs", "no;", "compile", "yes;", "quantized", "-"]

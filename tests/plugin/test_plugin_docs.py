@@ -12,7 +12,7 @@ import pytest
 from backplane.attention import AttentionLayerInfo
 from backplane.contracts.batch import ForwardBatch
 from backplane.plugin.manager import load_plugins
-from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, Registry, RegistrationError
+from backplane.plugin.registry import AttentionBackendSpec, LoraBackendSpec, MoeBackendSpec, Registry, RegistrationError
 from backplane.testing.boundary import PUBLIC_MODULES
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
@@ -42,7 +42,8 @@ def _render(value) -> str:
 
 
 @pytest.mark.parametrize("spec_type, heading", [(AttentionBackendSpec, "#### Spec defaults"),
-                                                (LoraBackendSpec, "`LoraBackendSpec`:")])
+                                                (LoraBackendSpec, "`LoraBackendSpec`:"),
+                                                (MoeBackendSpec, "`MoeBackendSpec`:")])
 def test_every_spec_default_is_documented(spec_type, heading):
     table = _table_after(heading)
     defaults = {f.name: f.default for f in dataclasses.fields(spec_type) if f.default is not dataclasses.MISSING}
@@ -56,6 +57,8 @@ def test_defaults_claim_no_feature_that_would_give_wrong_output():
     assert (bare.custom_mask, bare.sliding_window, bare.logit_softcap, bare.graph_modes) == (False, False, False, ())
     assert "target_verify" not in bare.modes
     assert LoraBackendSpec(name="bare", factory=object, description="t").supports_graph is False
+    moe = MoeBackendSpec(name="bare", factory=object, description="t")
+    assert (moe.supports_graph, moe.supports_compile, moe.quant_methods) == (False, False, ())
     with pytest.raises(RegistrationError, match="'target_verify' without custom_mask=True"):
         Registry().callback("attention", "p", None)(AttentionBackendSpec(
             name="v", factory=object, description="t", modes=("extend", "decode", "target_verify")))

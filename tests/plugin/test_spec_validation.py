@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backplane import AttentionBackendSpec, CustomOpImpl, LoraBackendSpec, ModelSpec, SpecAlgorithmSpec
+from backplane import AttentionBackendSpec, CustomOpImpl, LoraBackendSpec, ModelSpec, MoeBackendSpec, SpecAlgorithmSpec
 from backplane.plugin.registry import KINDS, RegistrationError, Registry
 from backplane.plugin.validation import FIELD_RULES
 
@@ -25,6 +25,7 @@ VALID = {
     "custom_op": CustomOpImpl(op="rms_norm", platform="cpu", fn=_factory, name="ok"),
     "spec": SpecAlgorithmSpec(name="ok", factory=_factory, description="t"),
     "model": ModelSpec(architecture="OkForCausalLM", factory=_factory),
+    "moe": MoeBackendSpec(name="ok", factory=_factory, description="t"),
 }
 FIELDS = sorted((kind, f.name) for kind, spec in VALID.items() for f in dataclasses.fields(spec) if f.name != "op")
 
@@ -49,6 +50,8 @@ def test_every_spec_field_has_a_rule():
     ("attention", "head_dims", (64, 0)),
     ("attention", "custom_mask", "yes"),
     ("lora", "max_rank", 0),
+    ("moe", "max_top_k", 0),
+    ("moe", "quant_methods", "fp8"),
     ("spec", "needs_draft_model", 1),
     ("model", "architecture", ""),
     ("custom_op", "priority", 1.5),
@@ -86,7 +89,10 @@ def _is_valid(field_name: str, value) -> bool:
     if field_name == "head_dims":
         return value is None or (isinstance(value, (tuple, list)) and len(value) > 0
                                  and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value))
-    if field_name == "max_rank":
+    if field_name == "quant_methods":
+        return (isinstance(value, (tuple, list)) and all(isinstance(v, str) and v.strip() and "\n" not in v for v in value)
+                and len(set(value)) == len(value))
+    if field_name in ("max_rank", "max_top_k", "max_experts"):
         return value is None or (is_int and value >= 1)
     if field_name == "seq_len_fill_value":
         return is_int and value >= 0
