@@ -25,7 +25,7 @@ import triton.language as tl
 
 SINGLE_PROGRAM_PAIRS = 1024
 MAX_EXPERTS = 1024
-ONEHOT_ELEMENTS = 1 << 15  # a chunk's [CHUNK, E_PAD] one-hot tile
+ONEHOT_ELEMENTS = 1 << 15  # a chunk's [E_PAD, CHUNK] one-hot tile
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -45,12 +45,13 @@ def num_chunks(num_pairs: int, num_experts: int) -> int:
 
 @triton.jit
 def _chunk_onehot(ids_ptr, start, num_pairs, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    """(pair numbers [CHUNK], valid [CHUNK], one-hot [CHUNK, E_PAD] int32) of the chunk at `start`."""
+    """(pair numbers [CHUNK], valid [CHUNK], one-hot [E_PAD, CHUNK] int32) of the chunk at `start`.
+    Experts along axis 0: the scans and sums along the pairs run over the fastest axis."""
     pairs = start + tl.arange(0, CHUNK)
     experts = tl.arange(0, E_PAD)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
     valid = (pairs < num_pairs) & (ids >= 0) & (ids < num_experts)
-    onehot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)
+    onehot = ((experts[:, None] == ids[None, :]) & valid[None, :]).to(tl.int32)
     return pairs, valid, onehot
 
 
@@ -60,10 +61,10 @@ def _scatter_chunk(ids_ptr, sorted_ptr, start, cursor, num_pairs, num_experts,
     """Store the chunk's pairs at cursor[expert] + their rank among the chunk's pairs of that expert;
     returns the chunk's count per expert."""
     pairs, valid, onehot = _chunk_onehot(ids_ptr, start, num_pairs, num_experts, CHUNK, E_PAD)
-    rank = tl.cumsum(onehot, axis=0) - onehot  # [CHUNK, E_PAD]: earlier pairs of the same expert
-    dest = tl.sum(onehot * (rank + cursor[None, :]), axis=1)
+    rank = tl.cumsum(onehot, axis=1) - onehot  # [E_PAD, CHUNK]: earlier pairs of the same expert
+    dest = tl.sum(onehot * (rank + cursor[:, None]), axis=0)
     tl.store(sorted_ptr + dest, pairs, mask=valid)
-    return tl.sum(onehot, axis=0)
+    return tl.sum(onehot, axis=1)
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _align_single_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         _, _, onehot = _chunk_onehot(ids_ptr, start, num_pairs, num_experts, CHUNK, E_PAD)
-        counts += tl.sum(onehot, axis=0)
+        counts += tl.sum(onehot, axis=1)
     cursor = _write_layout(counts, sorted_ptr, expert_ids_ptr, num_post_ptr, num_blocks, num_experts, num_pairs,
                            BLOCK_M, E_PAD, BLOCKS_CHUNK)
     for start in range(0, num_pairs, CHUNK):
@@ -110,7 +111,7 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts, CHUNK
     # chunk_counts: [num_chunks, E_PAD] int32, row c = chunk c's pairs per expert
     chunk = tl.program_id(0)
     _, _, onehot = _chunk_onehot(ids_ptr, chunk * CHUNK, num_pairs, num_experts, CHUNK, E_PAD)
-    tl.store(chunk_counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
+    tl.store(chunk_counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=1))
 
 
 @triton.jit
