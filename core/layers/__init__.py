@@ -7,7 +7,7 @@ plugin") gives every constructor argument and the shapes of every forward.
 
 - tensor parallelism: `ParallelContext`; `ColumnParallelLinear`, `MergedColumnParallelLinear`,
   `QKVParallelLinear`, `RowParallelLinear`; `VocabParallelEmbedding`, `ParallelLMHead`
-- `RMSNorm`, `SiluAndMul`, `GeluAndMul` (GeGLU, exact or tanh), `RotaryEmbedding` (rope scaling: default, linear, llama3, longrope, dynamic)
+- `RMSNorm`, `SiluAndMul`, `GeluAndMul` (GeGLU, exact or tanh), `RotaryEmbedding` (rope scaling: default, linear, llama3, longrope, yarn, dynamic)
 - `Attention` (hands q, k, v to the forward's attention backend)
 - `LogitsProcessor` (rows that need logits, fp32, the context's `logits_out`, final soft-cap),
   `select_logits_rows`
