@@ -155,6 +155,7 @@ ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 }
 
 
@@ -176,8 +177,9 @@ def test_cos_sin_cache_matches_transformers(name):
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'.*default, linear, llama3"):
-        build_cos_sin_cache(8, 4, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope type 'warp'; expected one of: default, linear, llama3, "
+                                         "longrope, yarn, dynamic"):
+        build_cos_sin_cache(8, 4, 10000.0, {"rope_type": "warp", "factor": 2.0})
 
 
 # -- dispatch -------------------------------------------------------------------------------------
