@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from backplane.contracts.moe import MoeBackendContext, MoeLayerInfo
+from backplane.testing import moe_conformance
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the CPU run of Triton needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
@@ -123,11 +124,11 @@ def test_align_worst_case_fills_the_bound():
 
 
 # ---- the whole backend -----------------------------------------------------------------------
-@pytest.mark.parametrize("top_k,num_experts", [(1, 4), (2, 8), (8, 64), (2, 4), (8, 8)])
-def test_apply_against_reference(top_k, num_experts):
+@pytest.mark.parametrize("top_k,num_experts,token_counts", [(1, 4, (1, 64)), (2, 8, (3, 64)), (8, 64, (1, 17))])
+def test_apply_against_reference(top_k, num_experts, token_counts):
     gen = torch.Generator().manual_seed(top_k * 100 + num_experts)
     layer, backend = make_layer(num_experts, gen), make_backend()
-    for num_tokens in (1, 3, 17, 64):
+    for num_tokens in token_counts:
         run_and_check(backend, layer, num_tokens, top_k, num_experts, gen)
 
 
@@ -239,3 +240,26 @@ def test_bundled_tables_parse():
     for path in files:
         table = configs.load_table(path)
         assert len(table) > 0 and json.loads(path.read_text())["device"].replace(" ", "_") + ".json" == path.name
+
+
+# ---- backplane.testing.moe_conformance, interpreted ------------------------------------------
+def triton_interpreted(ctx):
+    """The backend as a bare factory: the suite takes it as a spec of the defaults (any platform)."""
+    return TritonMoeBackend(ctx)
+
+
+# NOTE: a subset, for the interpreter's sake: the suite's cases up to 32 tokens, 64 experts only at top-k 8
+# (every case runs on the GPU in bf16: test_moe_triton_gpu.py)
+CONFORMANCE_CASES = [c for c in moe_conformance.base_cases() if c.num_tokens <= 32 and not c.graph
+                     and (c.num_experts < 64 or c.top_k == 8) and c.name not in ("experts-8-top-1", "experts-8-top-2")]
+test_conformance = moe_conformance.make_suite(triton_interpreted, device="cpu", dtype=torch.float32,
+                                              cases=CONFORMANCE_CASES, sizes=(48, 40))
+
+
+@pytest.mark.parametrize("case", [c for c in moe_conformance.base_cases() if c.graph and c.num_tokens <= 32], ids=str)
+def test_conformance_graph_cases_rerun(case):
+    """The suite's graph cases with a re-run stand-in for the capture: static buffers refilled with new
+    tokens and routings (the CUDA capture itself is the gpu test's)."""
+    from backplane.executor.graph_runner import rerun_capture
+
+    moe_conformance.check_graph(triton_interpreted, case, "cpu", torch.float32, sizes=(48, 40), capture=rerun_capture)
