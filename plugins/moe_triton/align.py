@@ -13,8 +13,9 @@ layout is computed on the device without a host sync and replays inside CUDA gra
 sorted_ids past num_post_padded are left as they were: no kernel reads them.
 
 Up to SINGLE_PROGRAM_PAIRS pairs one program does everything (one launch: decode sizes). More pairs
-take three launches over CHUNK-pair chunks: per-chunk expert counts, one program turning them into
-the layout and each chunk's first destination per expert, then the scatter.
+take three launches over CHUNK-pair chunks: per-chunk expert counts (stored expert-major), one
+program turning them into the layout and each chunk's first destination per expert (a scan along
+the chunks, a tile of them at a time), then the scatter.
 """
 
 from __future__ import annotations
@@ -107,36 +108,39 @@ def _align_single_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    # chunk_counts: [num_chunks, E_PAD] int32, row c = chunk c's pairs per expert
+def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, num_experts, n_chunks,
+                        CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    # chunk_counts: [E_PAD, n_chunks] int32 (expert-major: the prefix kernel scans along the chunks)
     chunk = tl.program_id(0)
     _, _, onehot = _chunk_onehot(ids_ptr, chunk * CHUNK, num_pairs, num_experts, CHUNK, E_PAD)
-    tl.store(chunk_counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=1))
+    tl.store(chunk_counts_ptr + tl.arange(0, E_PAD) * n_chunks + chunk, tl.sum(onehot, axis=1))
 
 
 @triton.jit
 def _align_prefix_kernel(chunk_counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_experts,
                          num_blocks, n_chunks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                         BLOCKS_CHUNK: tl.constexpr):
-    # overwrites row c of chunk_counts with chunk c's first destination row per expert
-    experts = tl.arange(0, E_PAD)
+                         CHUNKS_TILE: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    # overwrites chunk_counts[e, c] with chunk c's first destination row for expert e
+    rows = tl.arange(0, E_PAD)[:, None] * n_chunks
     counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for chunk in range(0, n_chunks):
-        counts += tl.load(chunk_counts_ptr + chunk * E_PAD + experts)
+    for c0 in range(0, n_chunks, CHUNKS_TILE):
+        chunks = c0 + tl.arange(0, CHUNKS_TILE)[None, :]
+        counts += tl.sum(tl.load(chunk_counts_ptr + rows + chunks, mask=chunks < n_chunks, other=0), axis=1)
     cursor = _write_layout(counts, sorted_ptr, expert_ids_ptr, num_post_ptr, num_blocks, num_experts, num_pairs,
                            BLOCK_M, E_PAD, BLOCKS_CHUNK)
-    for chunk in range(0, n_chunks):
-        row = chunk_counts_ptr + chunk * E_PAD + experts
-        chunk_count = tl.load(row)
-        tl.store(row, cursor)
-        cursor += chunk_count
+    for c0 in range(0, n_chunks, CHUNKS_TILE):
+        chunks = c0 + tl.arange(0, CHUNKS_TILE)[None, :]
+        tile = tl.load(chunk_counts_ptr + rows + chunks, mask=chunks < n_chunks, other=0)  # [E_PAD, CHUNKS_TILE]
+        tl.store(chunk_counts_ptr + rows + chunks, cursor[:, None] + tl.cumsum(tile, axis=1) - tile,
+                 mask=chunks < n_chunks)
+        cursor += tl.sum(tile, axis=1)
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, num_pairs, num_experts,
+def _align_scatter_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, num_pairs, num_experts, n_chunks,
                           CHUNK: tl.constexpr, E_PAD: tl.constexpr):
     chunk = tl.program_id(0)
-    cursor = tl.load(chunk_counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD))
+    cursor = tl.load(chunk_counts_ptr + tl.arange(0, E_PAD) * n_chunks + chunk)
     _scatter_chunk(ids_ptr, sorted_ptr, chunk * CHUNK, cursor, num_pairs, num_experts, CHUNK, E_PAD)
 
 
@@ -154,17 +158,31 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids: to
         raise ValueError(f"moe_triton: num_experts {num_experts} is out of range; expected 1 to {MAX_EXPERTS}")
     ids = topk_ids.reshape(-1)
     num_blocks = max_padded_rows(num_pairs, num_experts, block_m) // block_m
-    e_pad, chunk = triton.next_power_of_2(num_experts), chunk_size(num_experts)
-    blocks_chunk = max(16, min(256, ONEHOT_ELEMENTS // e_pad))
+    e_pad = triton.next_power_of_2(num_experts)
+    blocks_chunk = _pow2_tile(num_blocks, ONEHOT_ELEMENTS // e_pad)
     if num_pairs <= SINGLE_PROGRAM_PAIRS:
+        chunk = _pow2_tile(num_pairs, chunk_size(num_experts))  # NOTE: decode sizes: a small tile, a quick program
         _align_single_kernel[(1,)](ids, sorted_ids, expert_ids, num_post_padded, num_pairs, num_experts, num_blocks,
-                                   BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCKS_CHUNK=blocks_chunk, num_warps=8)
+                                   BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCKS_CHUNK=blocks_chunk,
+                                   num_warps=_warps(chunk * e_pad))
         return num_blocks
+    chunk = chunk_size(num_experts)
     n_chunks = triton.cdiv(num_pairs, chunk)
-    _align_count_kernel[(n_chunks,)](ids, chunk_counts, num_pairs, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=8)
+    chunks_tile = _pow2_tile(n_chunks, ONEHOT_ELEMENTS // 4 // e_pad)
+    _align_count_kernel[(n_chunks,)](ids, chunk_counts, num_pairs, num_experts, n_chunks, CHUNK=chunk, E_PAD=e_pad,
+                                     num_warps=_warps(chunk * e_pad))
     _align_prefix_kernel[(1,)](chunk_counts, sorted_ids, expert_ids, num_post_padded, num_pairs, num_experts,
-                               num_blocks, n_chunks, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS_CHUNK=blocks_chunk,
-                               num_warps=4)
-    _align_scatter_kernel[(n_chunks,)](ids, chunk_counts, sorted_ids, num_pairs, num_experts, CHUNK=chunk,
-                                       E_PAD=e_pad, num_warps=8)
+                               num_blocks, n_chunks, BLOCK_M=block_m, E_PAD=e_pad, CHUNKS_TILE=chunks_tile,
+                               BLOCKS_CHUNK=blocks_chunk, num_warps=8)
+    _align_scatter_kernel[(n_chunks,)](ids, chunk_counts, sorted_ids, num_pairs, num_experts, n_chunks, CHUNK=chunk,
+                                       E_PAD=e_pad, num_warps=_warps(chunk * e_pad))
     return num_blocks
+
+
+def _pow2_tile(count: int, most: int) -> int:
+    """A power-of-two tile covering `count` items, 16 to max(16, most)."""
+    return max(16, min(triton.next_power_of_2(count), most))
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 8192 else 8
