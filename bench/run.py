@@ -105,6 +105,9 @@ GROUPS: dict[str, list[Job]] = {
              tests("spec-tests-flashinfer", GPU("spec"), GPU("conformance"), k=f"flashinfer and (eagle or graphs) and {PARALLEL}"),
              tests("spec-tests-pool", GPU("spec"), k=SERIAL), bench("spec", "spec")],
     "serving": [bench("serving", "serving --model llama-3.2-1b -- --attention-backend triton")],
+    "moe": [tests("moe-tests", "tests/plugins/moe_triton/test_moe_triton_gpu.py"), bench("moe-layer", "moe_layer")],
+    "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
+                                  "--budget", "420"))],
 }
 
 
