@@ -81,7 +81,7 @@ def _write_layout(counts, sorted_ptr, expert_ids_ptr, num_post_ptr, num_blocks, 
     tl.store(num_post_ptr, total)
     # padding rows: starts + counts .. ends of each expert (fewer than BLOCK_M)
     fill = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_ptr + fill, sentinel, mask=fill < ends[:, None])
+    tl.store(sorted_ptr + fill, sentinel + tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32), mask=fill < ends[:, None])
     # a block's expert: the number of experts whose run ends at or before the block's first row
     real = experts < num_experts
     for b0 in range(0, num_blocks, BLOCKS_CHUNK):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from backplane.contracts.moe import MoeBackend, MoeBackendContext, MoeLayerInfo
+from backplane.contracts import MoeBackend, MoeBackendContext, MoeLayerInfo
 from backplane.plugins.moe_triton import align, configs, gemm
 from backplane.plugins.moe_triton.configs import Config, ConfigTable
 from backplane.plugins.moe_triton.options import TritonMoeOptions
@@ -114,7 +114,7 @@ class TritonMoeBackend(MoeBackend):
         w13, w2 = layer.w13_weight, layer.w2_weight
         _check_shapes(x, topk_weights, topk_ids, w13, w2)
         num_tokens, top_k = topk_ids.shape
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)  # contiguous, whatever x's strides
         if num_tokens == 0:
             return out
         ws = self._workspace(Sizes(self.chunk_tokens, top_k, w13.shape[0], x.shape[1], w2.shape[2]), x.dtype)

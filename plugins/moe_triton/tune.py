@@ -99,7 +99,7 @@ class Case:
     """One shape at one token count: weights, inputs, routing, and a backend whose launches we set."""
 
     def __init__(self, shape: Shape, num_tokens: int, dtype: torch.dtype, seed: int = 0):
-        from backplane.contracts.moe import MoeBackendContext
+        from backplane.contracts import MoeBackendContext
         from backplane.plugins.moe_triton.backend import TritonMoeBackend
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
