@@ -60,7 +60,8 @@ class Shape:
 def launches(block_m: int, multiplier: int, elem: int, full: bool):
     """The search space of one GEMM at this block height; multiplier: weight tiles per K step
     (2 for gate_up, which loads gate and up)."""
-    space = itertools.product((32, 64, 128), (64, 128, 256) if full else (64, 128), (4, 8),
+    warps = (4, 8) if full or block_m > 16 else (4,)
+    space = itertools.product((32, 64, 128), (64, 128, 256) if full else (64, 128), warps,
                               (2, 3, 4, 5) if full else (3, 4), (1, 8) if full else ((1,) if block_m == 16 else (8,)))
     for block_n, block_k, warps, stages, group_m in space:
         if stages * (block_m + multiplier * block_n) * block_k * elem <= SMEM_BYTES:
@@ -148,9 +149,10 @@ def _sizes(shape: Shape, num_tokens: int):
     return Sizes(num_tokens, shape.top_k, shape.num_experts, shape.hidden, shape.intermediate)
 
 
-def _best(case: Case, gemm_fn, block_m: int, num_blocks: int, candidates, want: torch.Tensor, flush) -> tuple[float, Launch]:
-    """(µs, launch) of the fastest candidate whose result matches `want`."""
-    timed = []
+def _best(gemm_fn, block_m: int, num_blocks: int, candidates, want: torch.Tensor, flush,
+          fallback: Launch) -> tuple[float, Launch]:
+    """(µs, launch) of the fastest candidate whose result matches `want` ((inf, fallback) when none does)."""
+    timed = [(float("inf"), fallback)]
     for launch in candidates:
         try:
             got = gemm_fn(block_m, num_blocks, launch).clone()
@@ -182,9 +184,11 @@ def tune_case(case: Case, full: bool, flush: torch.Tensor) -> tuple[Config, floa
     results = []
     for block_m in block_heights(case.num_tokens, case.shape):
         blocks = case.layout(block_m)
-        _, gate_up = _best(case, case.gate_up, block_m, blocks, launches(block_m, 2, elem, full), want_h, flush)
+        _, gate_up = _best(case.gate_up, block_m, blocks, launches(block_m, 2, elem, full), want_h, flush,
+                           default.gate_up)
         case.views()[0].copy_(want_h)  # down reads the right h whatever the last candidate wrote
-        _, down = _best(case, case.down, block_m, blocks, launches(block_m, 1, elem, full), want_out, flush)
+        _, down = _best(case.down, block_m, blocks, launches(block_m, 1, elem, full), want_out, flush,
+                        default.down)
         config = Config(block_m, gate_up, down)
         results.append((layer_us(config), config))
         print(f"  T {case.num_tokens} block_m {block_m}: {results[-1][0]:.1f} µs", flush=True)
