@@ -1,16 +1,17 @@
 """TritonMoeBackend: the MoeBackend contract on the kernels of align.py and gemm.py.
 
-apply(x [T, H], topk_weights [T, k], topk_ids [T, k]) runs, per chunk of at most
-Workspace.num_tokens tokens:
+apply(x [T, H], topk_weights [T, k], topk_ids [T, k]) runs, per chunk of at most chunk_tokens
+tokens:
 1. align: the T * k pairs sorted by expert into BLOCK_M-aligned runs (device only);
 2. gate_up: h [T * k, I] = silu(x w_gate^T) * (x w_up^T), per pair with its expert's weights;
 3. down: out_pairs [T * k, H] = topk_weight * (h w_down^T);
 4. the k-way sum: out [T, H] = out_pairs viewed [T, k, H] summed over k (fp32 accumulation).
 
-The buffers of steps 1-3 are one Workspace shared by every layer (layers run one after another),
-allocated in register_layer (or the first apply) for ctx.max_num_tokens tokens (at most
-MAX_CHUNK_TOKENS; longer inputs go through in chunks of that many); each call uses views of them sized by T. Every size and grid depends on T
-and the layer's shapes only, so a CUDA graph captured at T replays with any routing.
+The buffers of steps 1-3 are one Workspace per dtype shared by every layer (layers run one after
+another), allocated in register_layer (or the first apply) for chunk_tokens = ctx.max_num_tokens
+tokens (at most MAX_CHUNK_TOKENS; longer inputs go through in chunks of that many); each call uses
+views of them sized by T. Every size and grid depends on T and the layer's shapes only, so a CUDA
+graph captured at T replays with any routing.
 """
 
 from __future__ import annotations
