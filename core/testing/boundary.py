@@ -24,6 +24,7 @@ PUBLIC_MODULES = (
     "backplane.contracts",
     "backplane.attention",
     "backplane.lora",
+    "backplane.moe",
     "backplane.ops",
     "backplane.ops.native",
     "backplane.speculative",
