@@ -30,6 +30,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # The Hugging Face projection names LoRA may target in the Llama family.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# MoE expert weights, which no LoRA wrapper serves: Mixtral's experts (block_sparse_moe.experts.N.w1/w2/w3),
+# Qwen-MoE's (mlp.experts.N.gate_proj, ...) and Qwen2-MoE's shared expert (mlp.shared_expert.gate_proj, ...).
+EXPERT_PROJECTIONS = ("w1", "w2", "w3")
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.\w+\.(experts\.\d+|shared_expert)\.(\w+)\.lora_[AB]")
+_NO_EXPERT_LORA = ("LoRA on MoE experts is not supported; expected adapters of the attention projections "
+                   "(q_proj, k_proj, v_proj, o_proj) or of dense MLP layers")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # PEFT options that change the arithmetic and are not implemented: (key, value meaning "off").
 _UNSUPPORTED = (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {}), ("bias", "none"),
@@ -125,6 +131,10 @@ def _target_modules(value, where: str) -> tuple[str, ...]:
         raise AdapterError(f"{where}: expected target_modules to be a non-empty list of names, got {value!r}")
     names = tuple(dict.fromkeys(str(v).rsplit(".", 1)[-1] for v in value))
     unknown = [n for n in names if n not in PROJECTIONS]
+    experts = [n for n in unknown if n in EXPERT_PROJECTIONS]
+    if experts:
+        raise AdapterError(f"{where}: target module {experts[0]!r} is a MoE expert projection "
+                           f"(block_sparse_moe.experts.N.{experts[0]}); {_NO_EXPERT_LORA}")
     if unknown:
         raise AdapterError(
             f"{where}: target module {unknown[0]!r} is not a projection this model has LoRA support for; "
@@ -209,6 +219,10 @@ def _pair_tensors(name, file, tensors, config: AdapterConfig, num_layers: int):
     """Group the file's tensors into {(layer, projection): (A, B)}, refusing anything else."""
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        expert = _EXPERT_KEY.search(key)
+        if expert is not None:
+            raise AdapterError(f"LoRA adapter {name!r} ({file}): tensor {key!r} adapts the {expert.group(2)}.{expert.group(3)} "
+                               f"of MoE layer {expert.group(1)}; {_NO_EXPERT_LORA}")
         match = _KEY.search(key)
         if match is None or match.group(2) not in config.target_modules:
             raise AdapterError(

@@ -19,6 +19,7 @@ from typing import Any
 POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                  "num_hidden_layers", "vocab_size", "max_position_embeddings")
 OPTIONAL_POSITIVE_INTS = ("head_dim", "sliding_window")  # may also be null
+ZERO_IS_OFF = ("sliding_window",)  # 0: no window (transformers 5 writes it for a Qwen2-MoE without use_sliding_window)
 POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
 BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 
@@ -68,8 +69,9 @@ def _integers(raw: dict[str, Any]) -> str | None:
         if name not in raw or (raw[name] is None and name in OPTIONAL_POSITIVE_INTS):
             continue
         value = raw[name]
-        if not _is_int(value) or value < 1:
-            return _bad(name, value, "an integer >= 1" + (" or null" if name in OPTIONAL_POSITIVE_INTS else ""))
+        if not _is_int(value) or value < (0 if name in ZERO_IS_OFF else 1):
+            least = "an integer >= 0 (0: off)" if name in ZERO_IS_OFF else "an integer >= 1"
+            return _bad(name, value, least + (" or null" if name in OPTIONAL_POSITIVE_INTS else ""))
     return None
 
 
