@@ -135,14 +135,22 @@ def model_memory_terms(config: Any, dtype_bytes: int, tp_size: int = 1) -> dict[
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     attn = hidden * head_dim * (2 * config.num_attention_heads + 2 * kv_heads)
-    layer = attn + 3 * hidden * config.intermediate_size
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return {
-        "vocab_size": (1 if tied else 2) * vocab * hidden * dtype_bytes // tp_size,
-        "num_hidden_layers": config.num_hidden_layers * layer * dtype_bytes // tp_size,
-        # one fp32 cos/sin cache shared by every layer: [max_position, head_dim]
-        "max_position_embeddings": config.max_position_embeddings * head_dim * 4,
-    }
+    terms = {"vocab_size": (1 if tied else 2) * vocab * hidden * dtype_bytes // tp_size}
+    experts_field = next((f for f in ("num_local_experts", "num_experts") if getattr(config, f, None)), None)
+    if experts_field is None:
+        layer = attn + 3 * hidden * config.intermediate_size
+        terms["num_hidden_layers"] = config.num_hidden_layers * layer * dtype_bytes // tp_size
+    else:  # a MoE model: every expert's gate/up/down (sharded), the shared expert, the replicated router
+        experts = getattr(config, experts_field)
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        moe = 3 * hidden * (experts * inter + shared) // tp_size + hidden * experts
+        terms["num_hidden_layers"] = config.num_hidden_layers * attn * dtype_bytes // tp_size
+        terms[experts_field] = config.num_hidden_layers * moe * dtype_bytes
+    # one fp32 cos/sin cache shared by every layer: [max_position, head_dim]
+    terms["max_position_embeddings"] = config.max_position_embeddings * head_dim * 4
+    return terms
 
 
 def check_model_memory(config: Any, dtype_bytes: int, free_bytes: int, device: str, tp_size: int = 1) -> None:

@@ -136,3 +136,20 @@ def test_memory_estimate_names_the_costly_field(field, value):
         check_model_memory(shape(**{field: value}), dtype_bytes=2, free_bytes=2**34, device="cpu")
     assert one_line(err).startswith(f"model config: {field} {value} makes the model need about")
     check_model_memory(shape(), dtype_bytes=2, free_bytes=2**34, device="cpu")
+
+
+def test_memory_estimate_counts_every_expert_of_a_moe_model():
+    """Qwen3-30B-A3B's shapes: 57 GiB in bf16, nearly all of it experts (a dense estimate from
+    intermediate_size alone would say a few GiB)."""
+    from transformers import Qwen3MoeConfig
+
+    from backplane.models.config_check import model_memory_terms
+
+    config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                            vocab_size=151936, max_position_embeddings=40960)
+    assert 56 * 2**30 < sum(model_memory_terms(config, 2).values()) < 58 * 2**30
+    assert 27 * 2**30 < sum(model_memory_terms(config, 2, tp_size=2).values()) < 30 * 2**30
+    with pytest.raises(ValueError) as err:
+        check_model_memory(config, dtype_bytes=2, free_bytes=40 * 2**30, device="cuda")
+    assert "128 makes the model need about 56.9 GiB" in one_line(err)
