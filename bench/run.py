@@ -108,6 +108,7 @@ GROUPS: dict[str, list[Job]] = {
     "moe": [tests("moe-tests", "tests/plugins/moe_triton/test_moe_triton_gpu.py"), bench("moe-layer", "moe_layer")],
     "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
                                   "--budget", "420"))],
+    "moe-decode": [bench("moe-decode", "moe_decode")],  # one process: engine and peer share the ~61 GB of weights
 }
 
 
