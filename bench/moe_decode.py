@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = (f"{ns.model}: decode step, engine (whole generate loop) against the gpt-fast-style peer, "
              f"prompt {ns.prompt}, {ns.steps} steps, median of {ns.rounds}; floor: bs-1 active weights + KV "
              f"at {tb_s:.2f} TB/s; targets engine/peer <= {TARGET_RATIO}, step/floor <= {TARGET_FLOOR}")
+    print("verdicts: " + ", ".join(f"{k} {v}" for k, v in verdicts(rows).items()))
     print(report.table(rows, COLUMNS, title))
     return rows
 

@@ -48,6 +48,23 @@ def test_a_peer_without_its_moe_is_caught_by_the_check(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["verdicts"]["checks"] == "MISMATCH"
 
 
+def test_the_compiled_peer_traces_whole_and_still_agrees(tmp_path, monkeypatch):
+    """build's torch.compile call with aot_eager in place of Inductor + CUDA graphs: one graph (fullgraph)
+    of the decode step, checked against the engine like the eager peer."""
+    compile_ = torch.compile
+    calls = []
+
+    def aot_eager(model, mode, fullgraph, dynamic):
+        calls.append((mode, fullgraph, dynamic))
+        return compile_(model, backend="aot_eager", fullgraph=fullgraph, dynamic=dynamic)
+
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    no_compile = [a for a in TINY if a != "--no-compile"]
+    rows = moe_decode.main([*no_compile, "--batch-sizes", "2", "--out", str(tmp_path)])
+    assert calls == [("reduce-overhead", True, False)]
+    assert rows[0]["check_result"]["agree"] == 6 and rows[0]["check_result"]["max_logprob_diff"] < 1e-4
+
+
 def _tiny_model(**overrides):
     import transformers
 
