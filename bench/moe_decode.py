@@ -23,13 +23,18 @@ w13_weight; nothing copied). The engine's KV pool is capped by --max-total-token
 2 x max bs x (prompt + check steps + steps + 64) tokens (~1.6 GB at bs 32 and the defaults; 96 KiB
 a token), graphs are captured for the measured batch sizes only, and chunked prefill is one batch
 of prompts (max bs x prompt tokens) so the MoE backend's workspace stays small. The peer exists for
-one batch size at a time: its KV cache (bs x (prompt + check steps + steps + 8) tokens, ~1.3 GB at
+one batch size at a time: its KV cache (bs x (prompt + check steps + steps + 8) tokens, ~0.64 GB at
 bs 32), its reduce-overhead graph pool (at bs 32 one layer's gathered expert weights, 3 x 0.8 GB),
 and its eager prefill's dense experts in chunks of 512 tokens; Dynamo and the graph pools are reset
 between batch sizes. Peak about 70 GB; the JSON records it.
 
     python -m bench.moe_decode                                # bs 1 8 32, prompt 128, 64 steps, on CUDA
     python -m bench.moe_decode --batch-sizes 1 --rounds 5
+    python -m bench.run moe-decode --budget 590               # the same, as bench/run.py's group
+    python -m bench.moe_decode --model tiny --device cpu --backend torch_native --no-compile   # the code path
+
+The peer's prefill, compile and check take most of a run (printed per batch size, `peer_check_s` in
+the JSON); the result file is rewritten after each batch size, so a run cut short keeps the ones done.
 """
 
 from __future__ import annotations
@@ -144,13 +149,24 @@ def judge(logits: torch.Tensor, token: int, engine_logprob: float | None) -> dic
     return {"status": status, "rank": rank, "margin": margin, "logprob_diff": diff}
 
 
-@torch.inference_mode()
 def check(ns: argparse.Namespace, engine: Engine, peer, step, bs: int, device: torch.device) -> dict:
     """The engine's greedy tokens of --check-steps steps after the prompts, each judged against the
     peer's logits: the eager peer's prefill for the first, its `step` fed the engine's tokens after."""
     prompts = workload.prompts([ns.prompt] * bs, int(engine.runner.hf_config.vocab_size))
-    outs = steps.timed_generate(engine, prompts, steps.greedy(ns.check_steps))[1]
+    outs = steps.timed_generate(engine, prompts, steps.greedy(ns.check_steps))[1]  # NOTE: not in inference mode
     tokens = torch.tensor([o.token_ids[: ns.check_steps] for o in outs], device=device)  # [bs, check_steps]
+    with torch.inference_mode():
+        judged = _judge_all(ns, peer, step, prompts, tokens, outs)
+    counts = {s: sum(v["status"] == s for v in judged) for s in ("agree", "tie", "mismatch")}
+    diffs = [v["logprob_diff"] for v in judged if v["logprob_diff"] is not None]
+    return {**counts, "max_logprob_diff": max(diffs, default=None),
+            "median_logprob_diff": statistics.median(diffs) if diffs else None,
+            "not_agreeing": [v for v in judged if v["status"] != "agree"][:16]}
+
+
+def _judge_all(ns: argparse.Namespace, peer, step, prompts: list[list[int]], tokens: torch.Tensor, outs) -> list[dict]:
+    """judge() of every request's token at every check step: the peer's prefill, then its steps."""
+    bs, device = tokens.shape[0], tokens.device
     _, logits = peer(torch.tensor(prompts, device=device), torch.zeros(1, dtype=torch.long, device=device))
     judged = [{"request": r, "step": 0, **judge(logits[r], int(tokens[r, 0]), _logprob(outs[r], 0))} for r in range(bs)]
     pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -159,11 +175,7 @@ def check(ns: argparse.Namespace, engine: Engine, peer, step, bs: int, device: t
         logits = step(tokens[:, j - 1: j].clone(), pos)[1]
         judged += [{"request": r, "step": j, **judge(logits[r], int(tokens[r, j]), _logprob(outs[r], j))}
                    for r in range(bs)]
-    counts = {s: sum(v["status"] == s for v in judged) for s in ("agree", "tie", "mismatch")}
-    diffs = [v["logprob_diff"] for v in judged if v["logprob_diff"] is not None]
-    return {**counts, "max_logprob_diff": max(diffs, default=None),
-            "median_logprob_diff": statistics.median(diffs) if diffs else None,
-            "not_agreeing": [v for v in judged if v["status"] != "agree"][:16]}
+    return judged
 
 
 def _logprob(out, j: int) -> float | None:
@@ -213,7 +225,8 @@ def measure(ns: argparse.Namespace, engine: Engine, bs: int, device: torch.devic
                peer_ms=statistics.median(peer_runs), peer_runs_ms=peer_runs, replay_ms=steps.replay_ms(engine, bs))
     del peer, step
     _release()
-    print(f"bs {bs}: engine {row['engine_ms']:.3f} ms, peer {row['peer_ms']:.3f} ms, check {row['check']}", flush=True)
+    print(f"bs {bs}: engine {row['engine_ms']:.3f} ms, peer {row['peer_ms']:.3f} ms, check {row['check']} "
+          f"(the peer's prefill, compile and check {row['peer_check_s']:.0f} s)", flush=True)
     return row
 
 
@@ -236,6 +249,7 @@ def memory_gb(device: torch.device) -> dict:
 def run(ns: argparse.Namespace, engine: Engine, payload: dict, device: torch.device) -> list[dict]:
     """Every batch size in turn, the result file rewritten after each (a run cut short keeps them)."""
     tb_s, model = payload["copy_tb_s"], engine.runner.model
+    print(f"engine started in {payload['engine_start_s']:.0f} s", flush=True)
     payload.update(floor=floor(ns, model, tb_s), backends=engine.runner.backends_summary(),
                    memory_after_engine=memory_gb(device))
     rows = payload["rows"]
