@@ -6,8 +6,9 @@ In a model plugin's test suite:
     test_mine = model_conformance.make_suite("MyForCausalLM", transformers.MyConfig, plugins=[my_plugin])
 
 Each case draws a small random config (1 or 2 layers, hidden 64, 1, 2 or 4 KV heads, tied embeddings
-or not), builds the transformers model with random weights in fp32 and saves it as a checkpoint,
-then serves that directory with `backplane.Engine` on the CPU (torch_native attention). The checks:
+or not), builds transformers' model for it (`AutoModelForCausalLM.from_config`) with random weights in
+fp32 and saves it as a checkpoint, then serves that directory with `backplane.Engine`, on the CPU in
+fp32 (torch_native attention) but for `graphs`. The checks:
 
 - `greedy`: greedy tokens and each chosen token's log-probability equal transformers' (a token may
   differ only at a near tie: transformers' own logits for the two within `TIE_MARGIN`);
@@ -25,7 +26,7 @@ then serves that directory with `backplane.Engine` on the CPU (torch_native atte
   the case's with GRAPH_SHAPE on top (a head dim the GPU backends serve).
 
 `tensor_parallel` and `graphs` test the engine's modes rather than the model's shape: make_suite runs
-them for the first seed only (a tensor-parallel engine spawns a process, ~1 s on the CPU).
+them for the first seed only (a tensor-parallel engine starts a worker process: ~0.5 s on the CPU).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def random_shape(seed: int) -> dict[str, Any]:
 
 @dataclass
 class Reference:
-    """A transformers model saved at `path`, with its greedy continuations remembered per prompt.
+    """A transformers model saved at `path`; `greedy(prompt)` gives its greedy continuation.
 
     recipe: save_reference's (architecture, config_factory, seed, overrides), so a check can save the
     same model in another shape (`reshaped`); None for a reference built by hand.
@@ -79,7 +80,7 @@ class Reference:
     path: Path
     steps: int = STEPS
     recipe: tuple[str, Callable[..., Any], int, dict[str, Any]] | None = None
-    _reshaped: dict[str, Reference] = field(default_factory=dict, repr=False)
+    _reshaped: dict[str, Reference] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def reshaped(self, tag: str, shape: dict[str, Any]) -> Reference:
         """The same recipe with `shape` over its config, saved once beside this one (`<path>-<tag>`)."""
