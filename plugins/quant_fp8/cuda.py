@@ -1,45 +1,210 @@
-"""The CUDA paths: torch._scaled_mm for per-tensor and row-wise scales, the Triton kernel for
-block scales (kernels.py). Activations are quantized by the same functions as the reference.
+"""The CUDA paths of quant_fp8, and which launch each GEMM gets.
 
-  per-tensor weight, per-tensor activations: _scaled_mm with two scalar scales (any output dtype)
-  per-channel or per-tensor weight, per-token or per-tensor activations: _scaled_mm row-wise
-    (scale_a [M, 1], scale_b [1, N]), bf16 output only
-  block weight, 1 x bk activation groups: the Triton kernel, scales applied per K block
-  anything else (weight-only, row-wise with an fp16/fp32 model): the dequantizing reference
+  per-tensor weight, per-tensor activations: torch._scaled_mm with two scalar scales (any output
+    dtype; at the FP8 weight-read floor at decode sizes)
+  per-channel or per-tensor weight, per-token or per-tensor activations:
+    M <= DECODE_MAX_TOKENS: kernels.channel_matmul, scales applied in the epilogue, any model dtype
+    larger M: torch._scaled_mm row-wise (scale_a [M, 1], scale_b [1, N]; bf16 output only, so fp16
+    and fp32 models keep the Triton kernel)
+  block weights, 1 x bk activation groups: kernels.block_matmul at every M
+  weight-only (no activation quantization): the dequantizing reference
+
+Per-token and per-group activations are quantized by kernels.quantize_rows (or inside the GEMM),
+with the numbers quantize.py gives on CUDA. Launches come from a table per card,
+`configs/<torch.cuda.get_device_name(), spaces as underscores>.json` beside this module, written by
+tune.py:
+
+    {"device": "NVIDIA H100 80GB HBM3", "tuned": true, "triton": "3.6.0", "torch": "2.11.0",
+     "entries": [{"kernel": "channel", "N": 6144, "K": 4096, "tokens": 8, "use": "triton",
+                  "block_n": 64, "block_k": 256, "split_k": 3, "num_warps": 4, "num_stages": 4,
+                  "fuse_quant": true, "us": 9.1, "default_us": 9.8, "scaled_mm_us": 12.3}, ...]}
+
+keyed by the kernel ("channel", or "block" with its "block": [bn, bk]), the weight's N and K, and a
+token count: M takes the entry of its bucket (M padded to a power of two, at least 16) measured
+nearest to M. "use": "scaled_mm" sends a bf16 channel GEMM of that bucket to torch._scaled_mm.
+Shapes and buckets the table lacks take default_launch and the DECODE_MAX_TOKENS threshold.
 """
 
 from __future__ import annotations
 
-import torch
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
+import triton
+
+from backplane.plugins.quant_fp8.kernels import Launch, block_matmul, channel_matmul, quantize_rows
 from backplane.plugins.quant_fp8.reference import quantize_input, reference_linear
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
+DECODE_MAX_TOKENS = 64  # up to here the Triton kernel, above it torch._scaled_mm (bf16, no table entry)
+FUSE_QUANT_MAX_BYTES = 32 << 10  # x up to this size is quantized inside channel_matmul by default
+TARGET_PROGRAMS_PER_SM = 2  # the default split-K aims at this many programs per SM
+MIN_STEPS_PER_SPLIT = 4  # ... keeping at least this many K steps in each slice
+MAX_SPLIT_K = 16
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+KERNELS = ("channel", "block")
+USES = ("triton", "scaled_mm")
+_LAUNCH_FIELDS = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fuse_quant")
+_ENTRY_FIELDS = ("kernel", "N", "K", "tokens", "use", *_LAUNCH_FIELDS)
+
+TableKey = tuple[str, int, int, tuple[int, int] | None]  # (kernel, N, K, weight block or None)
+
 
 def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] in the model dtype -> [M, N] in the same dtype. weight [N, K] fp8 (row-major)."""
-    if scheme.weights == "block" and scheme.activations == "group":
-        from backplane.plugins.quant_fp8.kernels import block_fp8_matmul
-
-        q, x_scale = quantize_input(scheme, x, None)
-        y = block_fp8_matmul(q, x_scale, weight, weight_scale, scheme.block, x.dtype)
-        return y if bias is None else y + bias
-    if scheme.activations == "tensor" and scheme.weights == "tensor":
+                input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] in the model dtype -> [M, N] in the same dtype. weight [N, K] fp8 (row-major).
+    counters: the layer's kernels.new_counters(weight) (split-K; else allocated per call)."""
+    m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    if scheme.activations == "none" or (scheme.weights == "block") != (scheme.activations == "group"):
+        return reference_linear(scheme, x, weight, weight_scale, input_scale, bias)
+    if scheme.weights == "block":
+        _, launch = choose(("block", n, k, scheme.block), m, x.dtype, x.device)
+        return block_matmul(x, weight, weight_scale, scheme.block, bias, launch, counters)
+    if scheme.weights == "tensor" and scheme.activations == "tensor":
         q, x_scale = quantize_input(scheme, x, input_scale)
         return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float(), bias=bias,
                                 out_dtype=x.dtype)
-    if scheme.activations in ("token", "tensor") and scheme.weights in ("channel", "tensor") and x.dtype == torch.bfloat16:
+    use, launch = choose(("channel", n, k, None), m, x.dtype, x.device)
+    if use == "scaled_mm":
         return _rowwise(scheme, x, weight, weight_scale, input_scale, bias)
-    return reference_linear(scheme, x, weight, weight_scale, input_scale, bias)
+    if scheme.activations == "tensor":  # static or dynamic: one scale, from torch
+        q, x_scale = quantize_input(scheme, x, input_scale)
+        return channel_matmul(q, weight, weight_scale, bias, launch, counters, x_scale, out_dtype=x.dtype)
+    return channel_matmul(x, weight, weight_scale, bias, launch, counters)
 
 
 def _rowwise(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """_scaled_mm with row-wise scales: scale_a [M, 1] per token, scale_b [1, N] per output channel."""
     m, n = x.shape[0], weight.shape[0]
-    q, x_scale = quantize_input(scheme, x, input_scale)
+    q, x_scale = quantize_rows(x) if scheme.activations == "token" else quantize_input(scheme, x, input_scale)
     scale_a = x_scale.float().reshape(-1, 1).expand(m, 1).contiguous()
     scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()  # [N, 1] or [] -> [1, N]
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
+
+
+# -- launch choice --------------------------------------------------------------------------------
+
+def choose(key: TableKey, m: int, dtype: torch.dtype, device: torch.device) -> tuple[str, Launch]:
+    """("triton" or "scaled_mm", the Triton launch) for a GEMM of M rows: the card's table entry
+    for M's bucket, else the defaults. scaled_mm only for a bf16 channel GEMM."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _choose(key, m, dtype, index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(key: TableKey, m: int, dtype: torch.dtype, device_index: int) -> tuple[str, Launch]:
+    found = table_for(torch.cuda.get_device_name(device_index)).lookup(key, m)
+    if found is not None:
+        use, launch = found
+    else:
+        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        use = "triton" if m <= DECODE_MAX_TOKENS else "scaled_mm"
+        launch = default_launch(key, m, torch.empty((), dtype=dtype).element_size(), sms)
+    return ("triton" if key[0] != "channel" or dtype != torch.bfloat16 else use), launch
+
+
+def default_launch(key: TableKey, m: int, x_bytes: int, num_sms: int) -> Launch:
+    """The rule where the table is silent. Decode sizes: 64-column tiles, K split until about
+    TARGET_PROGRAMS_PER_SM programs per SM read the weight, x quantized inside the GEMM while small
+    (block: always, each group as it is loaded). Larger M: 64 x 128 tiles, one K slice, x quantized first."""
+    kernel, n, k, block = key
+    step = block[1] if kernel == "block" else (256 if m <= 16 else 128)
+    if m > DECODE_MAX_TOKENS:
+        return Launch(block_n=128, block_k=step, num_warps=4, num_stages=3)
+    block_n = 64
+    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, step)
+    split = max(1, min(round(TARGET_PROGRAMS_PER_SM * num_sms / tiles), steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT_K))
+    fuse = kernel == "block" or m * k * x_bytes <= FUSE_QUANT_MAX_BYTES
+    return Launch(block_n=block_n, block_k=step, split_k=split, num_warps=4, num_stages=4, fuse_quant=fuse)
+
+
+def bucket(m: int) -> int:
+    """The token bucket of M rows: M padded to a power of two, at least 16 (one BLOCK_M up to 64)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+@dataclass
+class LaunchTable:
+    """TableKey -> {token count: (use, Launch)}, from one JSON file (or empty: the defaults decide)."""
+
+    source: str = ""
+    tuned: bool = False
+    entries: dict[TableKey, dict[int, tuple[str, Launch]]] = field(default_factory=dict)
+
+    def lookup(self, key: TableKey, m: int) -> tuple[str, Launch] | None:
+        """The entry of M's bucket measured nearest to M (log scale; a tie goes to the larger count)."""
+        same = {t: v for t, v in self.entries.get(key, {}).items() if bucket(t) == bucket(m)}
+        if not same:
+            return None
+        target = math.log2(max(m, 1))
+        return same[min(same, key=lambda t: (abs(math.log2(t) - target), -t))]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.entries.values())
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> LaunchTable:
+        entries = data.get("entries") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"{source}: expected a JSON object with a list \"entries\", got {type(data).__name__}")
+        table = cls(source=source, tuned=bool(data.get("tuned", False)))
+        for i, entry in enumerate(entries):
+            key, tokens, use, launch = _parse_entry(entry, f"{source}: entry {i}")
+            table.entries.setdefault(key, {})[tokens] = (use, launch)
+        return table
+
+
+def _parse_entry(entry: dict, where: str) -> tuple[TableKey, int, str, Launch]:
+    missing = [name for name in _ENTRY_FIELDS if name not in entry]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}; expected the fields {', '.join(_ENTRY_FIELDS)}")
+    kernel, use, block = entry["kernel"], entry["use"], entry.get("block")
+    if kernel not in KERNELS or use not in USES or int(entry["tokens"]) < 1:
+        raise ValueError(f"{where}: kernel {kernel!r}, use {use!r}, tokens {entry['tokens']!r}: expected kernel one "
+                         f"of {', '.join(KERNELS)}, use one of {', '.join(USES)}, tokens >= 1")
+    if (kernel == "block") != (isinstance(block, list) and len(block) == 2):
+        raise ValueError(f"{where}: block {block!r}: expected [rows, columns] for kernel 'block' and none for 'channel'")
+    try:
+        launch = Launch(**{name: entry[name] for name in _LAUNCH_FIELDS})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    key = (kernel, int(entry["N"]), int(entry["K"]), tuple(int(b) for b in block) if block else None)
+    return key, int(entry["tokens"]), use, launch
+
+
+def entry(key: TableKey, tokens: int, use: str, launch: Launch, **timings: float) -> dict:
+    """One JSON entry of the table (the inverse of _parse_entry), with its timings in µs."""
+    kernel, n, k, block = key
+    return {"kernel": kernel, "N": n, "K": k, **({"block": list(block)} if block else {}), "tokens": tokens,
+            "use": use, **{name: getattr(launch, name) for name in _LAUNCH_FIELDS}, **timings}
+
+
+def device_file_name(device_name: str) -> str:
+    """configs/ file name of a device, from torch.cuda.get_device_name()."""
+    return device_name.strip().replace(" ", "_") + ".json"
+
+
+def load_table(path: str | Path) -> LaunchTable:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"quant_fp8 launch table: {path} does not exist; expected a JSON file written by "
+                         "python -m backplane.plugins.quant_fp8.tune") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"quant_fp8 launch table: {path} is not JSON ({exc})") from None
+    return LaunchTable.from_json(data, str(path))
+
+
+@functools.cache
+def table_for(device_name: str) -> LaunchTable:
+    """The bundled table of this GPU, else an empty one."""
+    bundled = CONFIG_DIR / device_file_name(device_name)
+    return load_table(bundled) if bundled.exists() else LaunchTable()

@@ -1,55 +1,334 @@
-"""Triton kernel: the block-scaled FP8 matmul of block-wise FP8 checkpoints.
+"""Triton kernels of quant_fp8: dynamic activation quantization and two FP8 GEMMs sized for decode.
 
-y[m, n] = sum over K blocks kb of (sum_k a[m, k] * b[n, k]) * a_scale[m, kb] * b_scale[n // bn, kb]:
-each K step of the loop is one weight block's columns, so both scales are applied once per K step in
-fp32. One program computes a BLOCK_M x BLOCK_N tile; BLOCK_N divides the weight block's rows (one
-weight-scale row per tile), BLOCK_K equals its columns. Shapes: a [M, K] fp8 row-major, a_scale
-[M, K / bk] fp32, b [N, K] fp8 row-major, b_scale [ceil(N / bn), K / bk] fp32 -> y [M, N].
+  quantize_rows   x [M, K] -> q [M, K] fp8 and one scale per row [M, 1] (per token) or per run of
+                  `group` columns [M, K / group] (block-wise FP8's 1 x bk groups), computed as
+                  quantize.py computes them on CUDA (below)
+  channel_matmul  y = (xq @ wq^T) * sx[m] * sw[n] (+ bias): per-channel (or per-tensor) weight
+                  scales and per-token (or per-tensor) activation scales, applied in the epilogue
+  block_matmul    y = sum over K blocks kb of (xq @ wq^T)_kb * sx[m, kb] * sw[n // bn, kb] (+ bias):
+                  128 x 128 weight blocks, both scales applied once per K step
+
+At decode sizes (M up to ~64) a GEMM only streams its FP8 weight: one program per BLOCK_N output
+columns and (split-K) per slice of K, so that enough programs read the weight at once to fill the
+card. With split_k > 1 every program stores its fp32 partial tile in a workspace and bumps its
+tile's counter; the last to arrive sums the partials in slice order (the result does not depend on
+which program came last), adds the bias, writes the output and sets the counter back to zero.
+`fuse_quant` quantizes x inside the GEMM (one launch): channel_matmul first reads x's rows once for
+their maxima (cheap while M * K is small); block_matmul quantizes each 1 x BLOCK_K group as it
+loads it. Otherwise quantize_rows runs first. Nothing depends on the data on the host: CUDA graphs
+capture every path.
+
+Scales are computed as torch computes quantize.py's `amax / FP8_MAX` on CUDA: amax times the fp32
+reciprocal of 448 (a scalar divisor is a multiplication there; on CPU it is a true division, which
+can differ in the last bit). x / scale is a true division (tl.math.div_rn), as torch's.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from backplane.plugins.quant_fp8 import quantize as fq
+
+FP8_MAX = tl.constexpr(fq.FP8_MAX)
+FP8_MAX_RECIPROCAL = tl.constexpr(float(torch.tensor(1.0 / fq.FP8_MAX, dtype=torch.float32)))
+MIN_SCALE = tl.constexpr(fq.MIN_SCALE)
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+MIN_BLOCK_N = 16  # the narrowest output tile; new_counters holds one counter per MIN_BLOCK_N columns
+QUANT_GROUP = 128  # quantize_rows holds a row as [cdiv(K, QUANT_GROUP), QUANT_GROUP] in per-token mode
+MAX_ROW = 1 << 16  # quantize_rows holds a whole row in registers: K up to this
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One GEMM launch: output tile width, K step, K slices, warps, pipeline depth, and whether x
+    is quantized inside the GEMM. BLOCK_M follows M (block_m_for); block_matmul's K step is the
+    weight block's columns, so its block_k is ignored."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fuse_quant: bool = False
+
+    def __post_init__(self):
+        pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.num_warps))
+        if not pow2 or self.block_n < MIN_BLOCK_N or self.block_k < 16 or self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"Launch{self}: expected block_n >= {MIN_BLOCK_N} and block_k >= 16 powers of two, "
+                             "num_warps a power of two, split_k and num_stages >= 1")
+
+
+def block_m_for(m: int) -> int:
+    """The GEMMs' tile height for M rows: M padded to a power of two, 16 to 64."""
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+# -- shared pieces -------------------------------------------------------------------------------
 
 @triton.jit
-def _block_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, M, N, K, stride_am, stride_asm, stride_bn, stride_bsn,
-                      stride_ym, BLOCK_N_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _scale_of(amax):
+    """max |x| (fp32) -> the dynamic scale max(amax / 448, 1e-12), as torch computes it on CUDA."""
+    return tl.maximum(amax * FP8_MAX_RECIPROCAL, MIN_SCALE)
+
+
+@triton.jit
+def _to_fp8(x, scale):
+    """fp32 x / scale, clamped to +-448, rounded to e4m3 (nearest, ties to even)."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    if INTERPRETED:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _round_to_e4m3(q):
+    """fp32 q (|q| <= 448) -> the nearest e4m3 value (ties to even), still fp32. NOTE: Triton's
+    interpreter (3.9) casts fp32 to e4m3 without the carry into the exponent (127.7 -> 64), so under
+    it the kernels round first and the cast is exact; compiled kernels use the hardware's cast."""
+    bits = q.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below e4m3's smallest normal, 2^-6: steps of 2^-9
+    magic = (((exp + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^23 steps of 2^(exp - 3)
+    r = (tl.abs(q) + magic) - magic  # the fp32 add rounds to a multiple of the step, ties to even
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _store_result(acc, bias_ptr, y_ptr, ws_ptr, counters_ptr, rm, rn, M, N, stride_ym, pid_k, split_k, tile,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write acc [BLOCK_M, BLOCK_N] (scaled, fp32) to y with the bias. With split_k > 1 acc is one K
+    slice's share: the last program of the tile to arrive sums every share in slice order, writes y
+    and resets the tile's counter."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if split_k == 1:
+        _write_tile(acc, bias_ptr, y_ptr, rm, rn, N, mask, stride_ym, HAS_BIAS)
+    else:
+        shares = ws_ptr + rm[:, None] * N + rn[None, :]  # ws [split_k, M, N] fp32
+        tl.store(shares + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # NOTE: every thread's share is stored before the counter says so
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, split_k):
+                total += tl.load(shares + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(counters_ptr + tile, 0)  # ready for the next call
+            _write_tile(total, bias_ptr, y_ptr, rm, rn, N, mask, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _write_tile(acc, bias_ptr, y_ptr, rm, rn, N, mask, stride_ym, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# -- activation quantization ---------------------------------------------------------------------
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
+                     NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr):
+    """One row per program, held as a [NUM_GROUPS, GROUP] tile: q = x / scale in fp8, and one scale
+    for the row (PER_ROW) or one per GROUP columns."""
+    m = tl.program_id(0)
+    g = tl.arange(0, NUM_GROUPS)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < K
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [NUM_GROUPS]
+    if PER_ROW:
+        scale = _scale_of(tl.max(amax, axis=0))
+        tl.store(s_ptr + m * stride_sm, scale)
+        q = _to_fp8(x, scale)
+    else:
+        scale = _scale_of(amax)
+        tl.store(s_ptr + m * stride_sm + g, scale, mask=g * GROUP < K)
+        q = _to_fp8(x, scale[:, None])
+    tl.store(q_ptr + m * stride_qm + cols, q, mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] fp8, scale fp32): [M, 1] per token (group None), [M, K / group] per group.
+    The same numbers as quantize.quantize_per_token / quantize_per_group on CUDA; a row longer than
+    MAX_ROW, or a group that is not a power of two, is quantized by those functions."""
+    m, k = x.shape
+    if group is not None and k % group:
+        raise ValueError(f"quantize_rows: K = {k} is not a multiple of the group size {group}")
+    pow2 = group is None or group & (group - 1) == 0
+    if k > MAX_ROW or not pow2:
+        return fq.quantize_per_token(x) if group is None else fq.quantize_per_group(x, group)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    tile = QUANT_GROUP if group is None else group
+    q = torch.empty(m, k, dtype=fq.FP8, device=x.device)
+    scale = torch.empty(m, 1 if group is None else k // group, dtype=torch.float32, device=x.device)
+    if m:
+        num_groups = triton.next_power_of_2(triton.cdiv(k, tile))
+        _quantize_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), GROUP=tile,
+                               NUM_GROUPS=num_groups, PER_ROW=group is None,
+                               num_warps=min(16, max(4, num_groups * tile // 1024)))
+    return q, scale
+
+
+# -- the GEMMs -----------------------------------------------------------------------------------
+
+@triton.jit
+def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
+                    stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
+                    FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Program (n, s, m): output tile m x n over K slice s. x fp8 [M, K] with scales sx (stride 0:
+    one scale), or (FUSE_QUANT) x in the model dtype, quantized per row here; w [N, K] fp8."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_rows, b_rows = a_ptr + rm[:, None] * stride_am, b_ptr + rn[None, :] * stride_bn
-    scale_row = bs_ptr + (rn // BLOCK_N_SCALE) * stride_bsn  # [BLOCK_N]: the weight block row of each column
+    rm_in, rn_in = tl.minimum(rm, M - 1), tl.minimum(rn, N - 1)  # loads past an edge repeat its last row
+    x_rows = x_ptr + rm_in[:, None] * stride_xm
+    w_rows = w_ptr + rn_in[None, :] * stride_wn
+    steps = tl.cdiv(K, BLOCK_K)
+    first = pid_k * tl.cdiv(steps, split_k)
+    last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    if FUSE_QUANT:  # the rows' maxima over all of K, then each K step is quantized as it is loaded
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for step in range(0, steps):
+            k = step * BLOCK_K + rk
+            xs = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+        sx = _scale_of(amax)
+    else:
+        sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + rk
-        a = tl.load(a_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_rows + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
-        a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=rm < M, other=0.0)
-        b_s = tl.load(scale_row + kb, mask=rn < N, other=0.0)
+    for step in range(first, last):
+        k = step * BLOCK_K + rk
+        if EVEN_K:
+            a = tl.load(x_rows + k[None, :])
+            b = tl.load(w_rows + k[:, None])  # [BLOCK_K, BLOCK_N]
+        else:
+            a = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+            b = tl.load(w_rows + k[:, None], mask=k[:, None] < K, other=0.0)
+        if FUSE_QUANT:
+            a = _to_fp8(a.to(tl.float32), sx[:, None])
+        acc = tl.dot(a, b, acc)
+    sw = tl.load(sw_ptr + rn_in * stride_sw)
+    acc = acc * sx[:, None] * sw[None, :]
+    _store_result(acc, bias_ptr, y_ptr, ws_ptr, counters_ptr, rm, rn, M, N, stride_ym, pid_k, split_k,
+                  pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _block_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
+                  stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, HAS_BIAS: tl.constexpr,
+                  FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Program (n, s, m) as in _channel_kernel; BLOCK_K is the weight block's columns (the activation
+    group), K a multiple of it; SCALE_ROWS the weight block's rows. x fp8 with group scales sx
+    [M, K / BLOCK_K], or (FUSE_QUANT) in the model dtype, each group quantized as it is loaded."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm_in, rn_in = tl.minimum(rm, M - 1), tl.minimum(rn, N - 1)
+    x_rows = x_ptr + rm_in[:, None] * stride_xm
+    w_rows = w_ptr + rn_in[None, :] * stride_wn
+    sw_rows = sw_ptr + (rn_in // SCALE_ROWS) * stride_swn  # [BLOCK_N]: each column's weight block row
+    steps = K // BLOCK_K
+    first = pid_k * tl.cdiv(steps, split_k)
+    last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        k = step * BLOCK_K + rk
+        a = tl.load(x_rows + k[None, :])
+        if FUSE_QUANT:
+            a32 = a.to(tl.float32)
+            a_s = _scale_of(tl.max(tl.abs(a32), axis=1))
+            a = _to_fp8(a32, a_s[:, None])
+        else:
+            a_s = tl.load(sx_ptr + rm_in * stride_sxm + step)
+        b = tl.load(w_rows + k[:, None])
+        b_s = tl.load(sw_rows + step)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_result(acc, bias_ptr, y_ptr, ws_ptr, counters_ptr, rm, rn, M, N, stride_ym, pid_k, split_k,
+                  pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
-def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                     block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] fp8, a_scale [M, K / bk], b [N, K] fp8, b_scale [ceil(N / bn), K / bk] -> [M, N] out_dtype."""
+def new_counters(weight: torch.Tensor) -> torch.Tensor:
+    """The split-K tile counters of one weight [N, K]: int32 zeros, one per MIN_BLOCK_N columns. The
+    GEMMs leave them at zero, so a layer can keep one buffer for every call (one stream at a time)."""
+    return torch.zeros(triton.cdiv(weight.shape[0], MIN_BLOCK_N), dtype=torch.int32, device=weight.device)
+
+
+def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                   launch: Launch, counters: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [M, N] = (xq @ weight^T) * sx * weight_scale (+ bias), in out_dtype (default x's dtype).
+
+    x [M, K]: in the model dtype, quantized here per token; or fp8 with x_scale [M, 1] or [] (per
+    tensor). weight [N, K] fp8 row-major; weight_scale [N, 1] or [] fp32; bias [N]. counters: from
+    new_counters(weight), else zeros are allocated when the launch splits K."""
+    out_dtype = out_dtype or x.dtype
+    if x_scale is None and not launch.fuse_quant:
+        x, x_scale = quantize_rows(x)
+    sw = weight_scale.reshape(-1)
+    sx = x_scale.reshape(-1) if x_scale is not None else sw  # unread when x is quantized in the GEMM
+    if sw.numel() not in (1, weight.shape[0]) or (x_scale is not None and sx.numel() not in (1, x.shape[0])):
+        raise ValueError(f"channel_matmul: weight_scale {tuple(weight_scale.shape)}, x_scale "
+                         f"{None if x_scale is None else tuple(x_scale.shape)}: expected one scale or one per "
+                         "output channel (weight) and per token (x)")
+    return _launch(_channel_kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
+                   launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0),
+                   (int(sx.numel() > 1), int(sw.numel() > 1)))
+
+
+def block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None, launch: Launch, counters: torch.Tensor | None = None,
+                 x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [M, N] = sum over K blocks of (xq @ weight^T) * x_scale * weight_scale (+ bias).
+
+    x [M, K]: in the model dtype, quantized here per 1 x bk group; or fp8 with x_scale [M, K / bk].
+    weight [N, K] fp8; weight_scale [ceil(N / bn), K / bk] fp32 (block = (bn, bk)); bias [N]."""
     block_n, block_k = block
-    m, k = a.shape
-    n = b.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    tile_n = min(block_n, 128)
-    while block_n % tile_n:
-        tile_n //= 2
-    tile_m = 16 if m <= 16 else 64
-    grid = (triton.cdiv(m, tile_m), triton.cdiv(n, tile_n))
-    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
-    _block_fp8_kernel[grid](a, a_scale, b, b_scale, y, m, n, k, a.stride(0), a_scale.stride(0), b.stride(0),
-                            b_scale.stride(0), y.stride(0), BLOCK_N_SCALE=block_n, BLOCK_M=tile_m, BLOCK_N=tile_n,
-                            BLOCK_K=block_k)
+    k = x.shape[1]
+    if k % block_k or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_matmul: weight block {block} over K = {k}: expected the block's columns to be "
+                         "a power of two >= 16 that divides K")
+    out_dtype = out_dtype or x.dtype
+    if x_scale is None and not launch.fuse_quant:
+        x, x_scale = quantize_rows(x, block_k)
+    sx = x_scale if x_scale is not None else weight_scale  # unread with fuse_quant
+    sw = weight_scale if weight_scale.is_contiguous() else weight_scale.contiguous()
+    return _launch(_block_kernel, x, sx, weight, sw, bias, launch, counters, out_dtype, block_k,
+                   dict(SCALE_ROWS=block_n), (sx.stride(0), sw.stride(0)))
+
+
+def _launch(kernel, x, sx, weight, sw, bias, launch: Launch, counters, out_dtype, block_k: int, constants: dict,
+            scale_strides: tuple[int, int]) -> torch.Tensor:
+    """Launch one GEMM over the grid (N tiles, K slices, M tiles); K is split only with one M tile."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0:
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    block_m = block_m_for(m)
+    grid_m, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, launch.block_n)
+    split = min(launch.split_k, triton.cdiv(k, block_k)) if grid_m == 1 else 1
+    ws = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x.device)
+    counters = _counters(counters, n_tiles, x.device) if split > 1 else torch.empty(0, dtype=torch.int32, device=x.device)
+    kernel[(n_tiles, split, grid_m)](
+        x, sx, weight, sw, bias if bias is not None else y, y, ws, counters, m, n, k, split,
+        x.stride(0), scale_strides[0], weight.stride(0), scale_strides[1], y.stride(0),
+        HAS_BIAS=bias is not None, FUSE_QUANT=x.dtype != fq.FP8, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages, **constants)
     return y
+
+
+def _counters(counters: torch.Tensor | None, n_tiles: int, device: torch.device) -> torch.Tensor:
+    if counters is None:
+        return torch.zeros(n_tiles, dtype=torch.int32, device=device)
+    if counters.dtype != torch.int32 or counters.numel() < n_tiles or counters.device != device:
+        raise ValueError(f"split-K counters: int32 [{counters.numel()}] on {counters.device}: expected int32 with at "
+                         f"least {n_tiles} entries on {device} (new_counters(weight))")
+    return counters
