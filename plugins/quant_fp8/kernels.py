@@ -59,7 +59,7 @@ class Launch:
     def __post_init__(self):
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.num_warps))
         if not pow2 or self.block_n < MIN_BLOCK_N or self.block_k < 16 or self.split_k < 1 or self.num_stages < 1:
-            raise ValueError(f"Launch{self}: expected block_n >= {MIN_BLOCK_N} and block_k >= 16 powers of two, "
+            raise ValueError(f"{self}: expected block_n >= {MIN_BLOCK_N} and block_k >= 16 powers of two, "
                              "num_warps a power of two, split_k and num_stages >= 1")
 
 
@@ -269,14 +269,14 @@ def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     tensor). weight [N, K] fp8 row-major; weight_scale [N, 1] or [] fp32; bias [N]. counters: from
     new_counters(weight), else zeros are allocated when the launch splits K."""
     out_dtype = out_dtype or x.dtype
-    if x_scale is None and not launch.fuse_quant:
-        x, x_scale = quantize_rows(x)
     sw = weight_scale.reshape(-1)
-    sx = x_scale.reshape(-1) if x_scale is not None else sw  # unread when x is quantized in the GEMM
-    if sw.numel() not in (1, weight.shape[0]) or (x_scale is not None and sx.numel() not in (1, x.shape[0])):
+    if sw.numel() not in (1, weight.shape[0]) or (x_scale is not None and x_scale.numel() not in (1, x.shape[0])):
         raise ValueError(f"channel_matmul: weight_scale {tuple(weight_scale.shape)}, x_scale "
                          f"{None if x_scale is None else tuple(x_scale.shape)}: expected one scale or one per "
                          "output channel (weight) and per token (x)")
+    if x_scale is None and not launch.fuse_quant:
+        x, x_scale = quantize_rows(x)
+    sx = x_scale.reshape(-1) if x_scale is not None else sw  # unread when x is quantized in the GEMM
     return _launch(_channel_kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
                    launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0),
                    (int(sx.numel() > 1), int(sw.numel() > 1)))
