@@ -256,5 +256,22 @@ def test_a_bad_table_entry_is_one_line(tmp_path, change, message):
 
 
 def test_every_bundled_table_parses():
-    for path in sorted(cuda.CONFIG_DIR.glob("*.json")):
+    paths = sorted(cuda.CONFIG_DIR.glob("*.json"))
+    if not paths:
+        pytest.skip("no bundled launch table yet (plugins/quant_fp8/configs/README.md)")
+    for path in paths:
         assert len(cuda.load_table(path)) > 0, path
+
+
+def test_the_tuners_untuned_table_is_what_cuda_py_chooses(tmp_path):
+    from backplane.plugins.quant_fp8 import tune
+
+    out = tmp_path / "defaults.json"
+    tune.main(["--defaults", "--device-name", "NVIDIA H100 80GB HBM3", "--out", str(out), "--tokens", "1", "128"])
+    table = cuda.load_table(out)
+    assert len(table) == 2 * 2 * 4 and not table.tuned  # 2 token counts x 2 kernels x 4 llama-3.1-8b shapes
+    key = ("channel", 4096, 14336, None)
+    assert table.lookup(key, 1) == ("triton", cuda.default_launch(key, 1, 2, 132))
+    assert table.lookup(key, 128)[0] == "scaled_mm"
+    for launch in tune.launches("channel", 1, 4096, 14336, 132, full=False):
+        assert launch.split_k == 1 or launch.split_k * triton.cdiv(4096, launch.block_n) <= 8 * 132

@@ -1,0 +1,204 @@
+"""Tune quant_fp8's GEMM launches on this GPU and write the table cuda.py reads.
+
+For each token count, kernel ("channel": per-channel weight and per-token activation scales;
+"block": 128 x 128 weight blocks) and weight shape (N, K): every launch of a pruned search space is
+checked against the default launch's result (a fast wrong launch is dropped) and timed inside a
+CUDA graph with L2 flushed before each replay (the weight comes from HBM, as in a model step); the
+fastest is kept. For "channel", torch._scaled_mm row-wise (its activation quantization included) is
+timed too: where it is faster, the entry says "use": "scaled_mm" and cuda.py sends bf16 GEMMs of
+that token bucket there. Token counts run smallest first; the table is written again after every
+case, so a run cut short (--budget) keeps what it measured.
+
+    python -m backplane.plugins.quant_fp8.tune --out NVIDIA_H100_80GB_HBM3.json --budget 480  # llama-3.1-8b
+    python -m backplane.plugins.quant_fp8.tune --shapes 6144,4096 --tokens 1 16 --kernels channel --out t.json
+    python -m backplane.plugins.quant_fp8.tune --defaults --device-name "NVIDIA H200" --out x.json
+
+Copy the file to plugins/quant_fp8/configs/<GPU name, spaces as underscores>.json (the name is
+printed). --defaults writes default_launch's choices as an untuned table, without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from backplane.plugins.quant_fp8 import cuda
+from backplane.plugins.quant_fp8 import quantize as fq
+from backplane.plugins.quant_fp8.kernels import Launch, block_m_for, block_matmul, channel_matmul, new_counters
+from backplane.plugins.quant_fp8.scheme import Fp8Scheme
+
+# name -> the (N, K) of each linear: qkv, o, gate_up, down
+SHAPES = {"llama-3.1-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+          "llama-3.2-1b": ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)),
+          "qwen3-8b": ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))}
+TOKENS = (1, 8, 16, 32, 64, 128)
+BLOCK = (128, 128)  # the weight blocks of block-wise FP8 checkpoints
+SMEM_BYTES = 200 << 10  # below the H100/H200's 227 KB per block, with room for the compiler's own
+FUSE_MAX_BYTES = 64 << 10  # x larger than this is not tried quantized inside the channel GEMM
+L2_FLUSH_BYTES = 256 << 20
+CHANNEL = Fp8Scheme(weights="channel", activations="token")
+
+
+def launches(kernel: str, m: int, n: int, k: int, num_sms: int, full: bool):
+    """The search space at M rows: decode sizes try narrow tiles, split K and x quantized inside the
+    GEMM; larger M wider tiles and more warps, one K slice. --full adds pipeline depths, warps, splits."""
+    decode = m <= cuda.DECODE_MAX_TOKENS
+    block_ks = (BLOCK[1],) if kernel == "block" else ((128, 256, 512) if full else (128, 256))
+    splits = ((1, 2, 3, 4, 6, 8, 12, 16) if full else (1, 2, 3, 4, 6, 8)) if decode else (1,)
+    space = itertools.product((32, 64, 128) if decode else (64, 128, 256), block_ks, splits,
+                              (4, 8) if full or not decode else (4,), (2, 3, 4, 5) if full else (4,),
+                              (False, True) if decode else (False,))
+    block_m = block_m_for(m)
+    for block_n, block_k, split, warps, stages, fuse in space:
+        x_bytes = 2 if fuse else 1
+        if stages * (block_m * block_k * x_bytes + block_k * block_n) > SMEM_BYTES:
+            continue
+        if split > 1 and (triton.cdiv(n, block_n) * split > 8 * num_sms or triton.cdiv(k, block_k) // split < 2):
+            continue
+        if fuse and kernel == "channel" and m * k * 2 > FUSE_MAX_BYTES:
+            continue
+        yield Launch(block_n, block_k, split, warps, stages, fuse)
+
+
+def cold_us(fn, flush: torch.Tensor, reps: int = 25) -> float:
+    """Median µs of fn() replayed from a CUDA graph, L2 flushed before each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+class Case:
+    """One GEMM to tune: a random FP8 weight [N, K] with its scales, bf16 x [M, K], the counters."""
+
+    def __init__(self, key: cuda.TableKey, m: int, seed: int = 0):
+        kernel, n, k, block = key
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
+        self.key, self.m = key, m
+        self.weight, self.scale = fq.quantize_weight_blocks(w, *block) if block else fq.quantize_weight_per_channel(w)
+        self.x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        self.counters = new_counters(self.weight)
+
+    def run(self, launch: Launch) -> torch.Tensor:
+        if self.key[0] == "block":
+            return block_matmul(self.x, self.weight, self.scale, self.key[3], None, launch, self.counters)
+        return channel_matmul(self.x, self.weight, self.scale, None, launch, self.counters)
+
+    def scaled_mm(self) -> torch.Tensor:
+        return cuda._rowwise(CHANNEL, self.x, self.weight, self.scale, None, None)
+
+
+def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict:
+    """The table entry of one case: the fastest launch that gives the default launch's result, its µs,
+    the default's and (channel) _scaled_mm's."""
+    kernel, n, k, _ = case.key
+    default = cuda.default_launch(case.key, case.m, 2, num_sms)
+    want = case.run(default).float()
+    timed = [(cold_us(lambda: case.run(default), flush), default)]
+    for launch in launches(kernel, case.m, n, k, num_sms, full):
+        try:
+            got = case.run(launch).float()
+        except Exception as exc:  # noqa: BLE001 - a launch the compiler or the card refuses (resources)
+            print(f"    skip {launch}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+            continue
+        if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
+            print(f"    WRONG result, dropped: {launch}", flush=True)
+            continue
+        timed.append((cold_us(lambda launch=launch: case.run(launch), flush), launch))
+    us, best = min(timed, key=lambda t: t[0])
+    timings = {"us": round(us, 2), "default_us": round(timed[0][0], 2)}
+    use = "triton"
+    if kernel == "channel":
+        timings["scaled_mm_us"] = round(cold_us(case.scaled_mm, flush), 2)
+        use = "scaled_mm" if timings["scaled_mm_us"] < us else "triton"
+    return cuda.entry(case.key, case.m, use, best, **timings)
+
+
+def write(path: Path, device: str, tuned: bool, entries: list[dict]) -> None:
+    """The table as JSON, one entry a line; the versions it was measured with (none when untuned)."""
+    head = {"device": device, "tuned": tuned, "triton": triton.__version__ if tuned else None,
+            "torch": torch.__version__.split("+")[0] if tuned else None}
+    lines = ",\n".join("  " + json.dumps(e) for e in entries)
+    path.write_text(json.dumps(head, indent=1)[:-2] + ',\n "entries": [\n' + lines + "\n ]\n}\n")
+
+
+def parse_shape(text: str) -> list[tuple[int, int]]:
+    if text in SHAPES:
+        return list(SHAPES[text])
+    try:
+        n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--shapes: {text!r} is not a shape; expected N,K or one of {', '.join(SHAPES)}") from None
+    return [(n, k)]
+
+
+def keys(ns: argparse.Namespace) -> list[cuda.TableKey]:
+    shapes = list(dict.fromkeys(s for text in ns.shapes for s in parse_shape(text)))
+    return [(kernel, n, k, BLOCK if kernel == "block" else None) for kernel in ns.kernels for n, k in shapes]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="the table to write (JSON)")
+    p.add_argument("--shapes", nargs="+", default=["llama-3.1-8b"], help=f"N,K or a name: {', '.join(SHAPES)}")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--kernels", nargs="+", choices=cuda.KERNELS, default=list(cuda.KERNELS))
+    p.add_argument("--full", action="store_true", help="the larger search space (about 8x the launches)")
+    p.add_argument("--budget", type=float, default=None, help="seconds: no new case is started after this")
+    p.add_argument("--defaults", action="store_true", help="write default_launch's choices as an untuned table")
+    p.add_argument("--device-name", default=None, help="with --defaults: the device the table is for")
+    p.add_argument("--sms", type=int, default=132, help="with --defaults: the device's SM count")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = parse_args(argv)
+    out, cases = Path(ns.out), [(m, key) for m in sorted(ns.tokens) for key in keys(ns)]
+    if ns.defaults:
+        entries = [cuda.entry(key, m, "triton" if m <= cuda.DECODE_MAX_TOKENS or key[0] == "block" else "scaled_mm",
+                              cuda.default_launch(key, m, 2, ns.sms)) for m, key in cases]
+        write(out, ns.device_name or "unknown", False, entries)
+        print(f"wrote {len(entries)} untuned entries to {out}")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("tune: needs a CUDA GPU (or --defaults)")
+    device, began, entries = torch.cuda.get_device_name(), time.monotonic(), []
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for m, key in cases:
+        if ns.budget is not None and time.monotonic() - began > ns.budget:
+            print(f"budget spent: stopping before {key} at {m} tokens", flush=True)
+            break
+        entries.append(tune_case(Case(key, m), num_sms, ns.full, flush))
+        e = entries[-1]
+        print(f"{key[0]} N {key[1]} K {key[2]} M {m}: {e['us']:.1f} µs (default {e['default_us']:.1f}, "
+              f"_scaled_mm {e.get('scaled_mm_us', '-')}) use {e['use']} {Launch(**{f: e[f] for f in cuda._LAUNCH_FIELDS})}",
+              flush=True)
+        write(out, device, True, entries)
+    print(f"wrote {out} ({len(entries)} entries); copy it to plugins/quant_fp8/configs/{cuda.device_file_name(device)}")
+
+
+if __name__ == "__main__":
+    main()
