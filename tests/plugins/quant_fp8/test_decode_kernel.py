@@ -275,3 +275,17 @@ def test_the_tuners_untuned_table_is_what_cuda_py_chooses(tmp_path):
     assert table.lookup(key, 128)[0] == "scaled_mm"
     for launch in tune.launches("channel", 1, 4096, 14336, 132, full=False):
         assert launch.split_k == 1 or launch.split_k * triton.cdiv(4096, launch.block_n) <= 8 * 132
+
+
+def test_the_kernel_bench_runs_on_cpu(tmp_path):
+    """bench/quant_kernels.py's code path (interpreted): every output is checked, the layer row sums."""
+    import helpers_bench  # noqa: F401 - the repository root on sys.path
+    from bench import quant_kernels
+
+    assert quant_kernels.linear_shapes("llama-3.1-8b") == {name: (n, k) for name, (n, k) in LLAMA_8B.items()}
+    rows = [quant_kernels.linear_report(name, n, 128, 1, torch.device("cpu"), torch.float32)
+            for name, n in (("o", 48), ("down", 80))]
+    rows = quant_kernels.with_totals(rows, [1])
+    assert [r["linear"] for r in rows] == ["o", "down", "layer"]
+    assert rows[2]["triton_us"] == rows[0]["triton_us"] + rows[1]["triton_us"] and rows[2]["scaled_mm_us"] is None
+    assert all(r["triton_us"] > 0 and r["block_us"] > 0 and r["floor_us"] > 0 for r in rows)
