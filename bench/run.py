@@ -109,6 +109,9 @@ GROUPS: dict[str, list[Job]] = {
     "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
                                   "--budget", "420"))],
     "moe-decode": [bench("moe-decode", "moe_decode")],  # one process: engine and peer share the ~61 GB of weights
+    "quant-kernels": [tests("quant-tests", "tests/plugins/quant_fp8"), bench("quant-kernels", "quant_kernels")],
+    "quant-tune": [Job("quant-tune", ("-m", "backplane.plugins.quant_fp8.tune", "--out", "{out}/quant_fp8_configs.json",
+                                      "--budget", "420"))],
 }
 
 
