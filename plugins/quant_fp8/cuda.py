@@ -36,14 +36,15 @@ from pathlib import Path
 import torch
 import triton
 
-from backplane.plugins.quant_fp8.kernels import Launch, block_matmul, channel_matmul, quantize_rows
+from backplane.plugins.quant_fp8.kernels import Launch, block_m_for, block_matmul, channel_matmul, quantize_rows
 from backplane.plugins.quant_fp8.reference import quantize_input, reference_linear
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
 DECODE_MAX_TOKENS = 64  # up to here the Triton kernel, above it torch._scaled_mm (bf16, no table entry)
 FUSE_QUANT_MAX_BYTES = 32 << 10  # x up to this size is quantized inside channel_matmul by default
-TARGET_PROGRAMS_PER_SM = 2  # the default split-K aims at this many programs per SM
-MIN_STEPS_PER_SPLIT = 4  # ... keeping at least this many K steps in each slice
+SMEM_PER_SM = 228 << 10  # H100 / H200 shared memory per SM: how many programs of a launch are resident at once
+MAX_PROGRAMS_PER_SM = 4
+MIN_STEPS_PER_SPLIT = 4  # the default split-K keeps at least this many K steps in each slice
 MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 KERNELS = ("channel", "block")
@@ -111,18 +112,28 @@ def _choose(key: TableKey, m: int, dtype: torch.dtype, device_index: int) -> tup
 
 
 def default_launch(key: TableKey, m: int, x_bytes: int, num_sms: int) -> Launch:
-    """The rule where the table is silent. Decode sizes: 64-column tiles, K split until about
-    TARGET_PROGRAMS_PER_SM programs per SM read the weight, x quantized inside the GEMM while small
-    (block: always, each group as it is loaded). Larger M: 64 x 128 tiles, one K slice, x quantized first."""
+    """The rule where the table is silent. Decode sizes stream the weight: 16 KB weight tiles per K
+    step (64 x 256, or 128 x 128 when 64-column tiles would not all be resident at once), 4 stages,
+    and K split so that every program of the launch is resident at once (one wave) with at least
+    MIN_STEPS_PER_SPLIT K steps each, the same number in every slice; x quantized inside the GEMM
+    while small (block: always, each group as it is loaded). Larger M: 64 x 128 tiles, one K slice,
+    x quantized first."""
     kernel, n, k, block = key
-    step = block[1] if kernel == "block" else (256 if m <= 16 else 128)
     if m > DECODE_MAX_TOKENS:
-        return Launch(block_n=128, block_k=step, num_warps=4, num_stages=3)
-    block_n = 64
-    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, step)
-    split = max(1, min(round(TARGET_PROGRAMS_PER_SM * num_sms / tiles), steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT_K))
+        return Launch(block_n=128, block_k=block[1] if kernel == "block" else 128, num_warps=4, num_stages=3)
     fuse = kernel == "block" or m * k * x_bytes <= FUSE_QUANT_MAX_BYTES
-    return Launch(block_n=block_n, block_k=step, split_k=split, num_warps=4, num_stages=4, fuse_quant=fuse)
+    block_m, stages = block_m_for(m), 4
+    tiles_k = ((64, 256) if m <= 16 else (64, 128), (128, 128)) if kernel == "channel" else ((64, block[1]), (128, block[1]))
+    for block_n, block_k in tiles_k:
+        smem = stages * (block_m * block_k * (x_bytes if fuse else 1) + block_k * block_n)
+        slots = num_sms * max(1, min(MAX_PROGRAMS_PER_SM, SMEM_PER_SM // smem))
+        tiles = triton.cdiv(n, block_n)
+        if tiles <= slots:
+            break
+    steps = triton.cdiv(k, block_k)
+    most = min(slots // tiles, steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT_K)
+    split = max((s for s in range(1, most + 1) if steps % s == 0), default=1)
+    return Launch(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=stages, fuse_quant=fuse)
 
 
 def bucket(m: int) -> int:
