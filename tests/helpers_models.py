@@ -186,3 +186,35 @@ def save_exact_eagle_head(model, path) -> str:
     config = {**model.config.to_dict(), "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1}
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+def save_feature_eagle_head(config, path, layer_scale: float = 0.02, seed: int = 0) -> str:
+    """Save a one-layer Llama-architecture EAGLE head (checkpoint layout) for any target of `config`'s
+    hidden size and vocabulary, where no exact copy exists (Gemma, MoE): fc passes the target's
+    feature through (the token's embedding gets weight 0), the layer's weights are small random ones
+    (`layer_scale` * randn: its attention and MLP run and nudge the feature), and there is no final
+    norm, so the draft's logits are about the target's own logits of the previous position. Drafts
+    are accepted where the target repeats a token; greedy output equals the target's either way.
+    Returns the directory."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    llama = transformers.LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.hidden_size * 2, num_hidden_layers=1,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=head_dim, vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=10000.0, architectures=["LlamaForCausalLMEagle"])
+    torch.manual_seed(seed)
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(llama, 0)
+    hidden = config.hidden_size
+    tensors = {"fc.weight": torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], 1)}
+    for name, param in layer.state_dict().items():
+        norm = name.endswith("norm.weight")
+        tensors[f"layers.0.{name}"] = torch.ones_like(param) if norm else layer_scale * torch.randn_like(param)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(llama.to_dict()))
+    return str(path)
