@@ -1,22 +1,26 @@
 """The plugin-combination matrix, shared by the CPU test (tests/test_combinations.py) and the GPU
 test (tests/gpu/test_combinations_gpu.py).
 
-A `Cell` is one combination: prefill and decode attention backends, LoRA backend (or none),
-speculative algorithm (or none), torch.compile, CUDA graphs, and with graphs whether EXTEND is
-captured too (extend graphs, off with --disable-extend-graph). `run_cell` builds an Engine for it
-and generates greedily for one mixed batch (two adapters and base requests of different lengths
-and output lengths; six requests, so a batch pads up to a captured size of 8), then compares every
+A `Cell` is one combination: the model (a tiny Llama by default; `MODELS` has a Gemma 2 with
+sliding-window layers interleaved with global ones and attention and final logit soft-caps, and a
+Qwen3-MoE with 8 experts, top 2), prefill and decode attention backends, LoRA backend (or none),
+speculative algorithm (or none), torch.compile, CUDA graphs, with graphs whether EXTEND is
+captured too (extend graphs, off with --disable-extend-graph), and for a MoE model the MoE backend
+(--moe-backend, auto when unset). `run_cell` builds an Engine for it and generates greedily for one
+mixed batch of the model's world (two adapters and base requests of different lengths and output
+lengths; six or seven requests, so a batch pads up to a captured size of 8), then compares every
 request with the fp32 Hugging Face reference (the PEFT-merged model for an adapter's requests).
-A divergence is a tie only when, at the first differing token, the reference's logit of its own
-choice exceeds that of the engine's choice by at most `tie_fraction` of the logits' standard
-deviation (so the reference's top two are that close); otherwise every token must be equal. A
-cell whose Engine refuses the combination at startup (ValueError) is recorded as refused with
-that message, which must be one line naming the flags.
+A divergence passes only as a near-tie (`TieRule`): at the first differing token the reference's
+logit of its own choice exceeds that of the engine's choice by at most a fraction of the logits'
+standard deviation (so the reference's top two are that close); otherwise every token must be
+equal. A cell whose Engine refuses the combination at startup (ValueError) is recorded as refused
+with that message, which must be one line naming the flags.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import itertools
 import json
@@ -24,14 +28,15 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
 
 from backplane import Engine, SamplingParams
 from backplane.ops import opaque
-from helpers_models import hf_greedy, save_exact_eagle_head
-from lora_helpers import ADAPTERS, LoraWorld, make_lora_world
+from helpers_models import hf_greedy, make_hf_model, save_exact_eagle_head, save_feature_eagle_head, tiny_hf_config
+from lora_helpers import ADAPTERS, LoraWorld
 
 NAMES = ["all7_r4", "qv_down_r8"]
 # One layer (the EAGLE head can reproduce it), head dim 64 (every attention backend serves it).
@@ -41,6 +46,9 @@ MODEL_SHAPE = dict(num_hidden_layers=1, hidden_size=128, intermediate_size=192, 
 PROMPTS = [[5, 17, 33] * 3, list(range(40, 51)), [7, 8] * 4, [101, 3, 250, 77], [12, 13, 14] * 2, [9]]
 MIXED = ["all7_r4", None, "qv_down_r8", "all7_r4", None, "qv_down_r8"]
 MAX_NEW = [8, 6, 7, 8, 5, 6]
+# The Gemma and MoE worlds add a long request: past a kernel block, its sliding-window layers skip
+# whole blocks of keys, and its prefill hands the MoE layer more tokens than a decode batch does.
+LONG_PROMPT = [60, 61, 62, 63, 64, 65, 66, 67, 68] * 8 + [70, 71]  # 74 tokens
 SPECS = {
     "ngram": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4),
     # a top-2 tree: verify runs a tree mask, not only a chain
@@ -51,8 +59,78 @@ SUMMARY_ENV = "BACKPLANE_MATRIX_OUT"
 
 
 @dataclass(frozen=True)
+class ModelRecipe:
+    """How a model's world is made. config: the transformers config (fp32, random weights drawn by
+    helpers_models.make_hf_model, then `init` on the model); adapters: PEFT LoraConfig keywords by
+    name, the first two used by the mixed batch; long: the world adds LONG_PROMPT; moe: the model
+    has experts (its cells carry --moe-backend); exact_eagle: a one-layer Llama, whose EAGLE head can
+    reproduce it (else a Llama head that is not a copy: `save_feature_eagle_head`)."""
+
+    config: Callable[[], Any]
+    adapters: dict[str, dict]
+    long: bool = False
+    moe: bool = False
+    exact_eagle: bool = False
+    init: Callable[[torch.nn.Module], None] | None = None
+
+
+def _gemma2_config():
+    import transformers
+
+    # Layer 0 slides over 4 tokens (every prompt and output is longer), layer 1 is global; both
+    # soft-caps bend the logits of these weights (attention scores reach ~6, final logits ~7).
+    # Without the window, or without the attention soft-cap, 6 of the 7 requests' greedy tokens
+    # change. The final soft-cap is monotonic: it moves logits and near-tie margins, never a token.
+    return transformers.Gemma2Config(
+        **MODEL_SHAPE | dict(num_hidden_layers=2), vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4, attn_logit_softcapping=4.0,
+        final_logit_softcapping=10.0, query_pre_attn_scalar=48, tie_word_embeddings=False,
+        architectures=["Gemma2ForCausalLM"])
+
+
+def _half_copy_head(model: torch.nn.Module) -> None:
+    """lm_head = (random + embedding) / 2: the model repeats its last token about half the time (where
+    EAGLE's head and ngram get drafts accepted) and the attention decides the other half. (A tied
+    embedding makes a tiny random Gemma echo its input whatever attention does.)"""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.5).add_(0.5 * model.model.embed_tokens.weight)
+
+
+def _qwen3_moe_config():
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        **MODEL_SHAPE | dict(num_hidden_layers=2), vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+
+
+def _sharp_router(model: torch.nn.Module) -> None:
+    """Router weights 0.5 * randn, as tests/plugins/model_moe/test_moe_gpu.py draws them (where the
+    MoE near-tie rule was calibrated): most tokens' top-k is a clear choice."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(0.5 * torch.randn_like(param))
+
+
+ATTENTION_ONLY = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MODELS = {
+    "llama": ModelRecipe(lambda: tiny_hf_config("LlamaForCausalLM", **MODEL_SHAPE),
+                         {n: ADAPTERS[n] for n in NAMES}, exact_eagle=True),
+    "gemma2": ModelRecipe(_gemma2_config, {n: ADAPTERS[n] for n in NAMES}, long=True, init=_half_copy_head),
+    # LoRA of a MoE model serves the attention projections (on the experts it is refused).
+    "qwen3_moe": ModelRecipe(_qwen3_moe_config, {
+        "attn_r4": dict(r=4, lora_alpha=8, target_modules=ATTENTION_ONLY),
+        "qv_r8": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    }, long=True, moe=True, init=_sharp_router),
+}
+
+
+@dataclass(frozen=True)
 class Cell:
-    """One plugin combination. lora / spec None: without adapters / speculation."""
+    """One plugin combination. lora / spec None: without adapters / speculation; moe: a MoE model's
+    --moe-backend (None: auto)."""
 
     prefill: str
     decode: str
@@ -61,13 +139,24 @@ class Cell:
     compile: bool = False
     graphs: bool = False
     extend_graphs: bool = True  # False: --disable-extend-graph (only decode-like modes captured)
+    model: str = "llama"
+    moe: str | None = None
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"Cell model {self.model!r}: expected one of {sorted(MODELS)}")
+        if self.moe is not None and not MODELS[self.model].moe:
+            raise ValueError(f"Cell moe {self.moe!r}: model {self.model!r} has no experts")
 
     @property
     def label(self) -> str:
+        """The cell's name in results; a Llama cell's has no model (older result files still match)."""
         attn = self.prefill if self.prefill == self.decode else f"{self.prefill}+{self.decode}"
-        return (f"attn={attn} lora={self.lora or 'none'} spec={self.spec or 'none'} "
+        return (("" if self.model == "llama" else f"model={self.model} ")
+                + f"attn={attn} lora={self.lora or 'none'} spec={self.spec or 'none'} "
                 f"compile={'on' if self.compile else 'off'} graphs={'on' if self.graphs else 'off'}"
-                + ("" if self.extend_graphs else " extend-graphs=off"))
+                + ("" if self.extend_graphs else " extend-graphs=off")
+                + (f" moe={self.moe or 'auto'}" if MODELS[self.model].moe else ""))
 
     @property
     def test_id(self) -> str:
@@ -78,6 +167,8 @@ class Cell:
         kw: dict = dict(prefill_attention_backend=self.prefill, decode_attention_backend=self.decode,
                         attention_backend=self.prefill, enable_torch_compile=self.compile,
                         disable_cuda_graph=not self.graphs, disable_extend_graph=not self.extend_graphs)
+        if self.moe:
+            kw["moe_backend"] = self.moe
         if self.lora:
             kw.update(lora_paths=world.lora.lora_paths(), lora_backend=self.lora, max_loras_per_batch=2)
         if self.spec:
@@ -106,6 +197,19 @@ def pairwise(axes: dict[str, list]) -> list[dict]:
     return chosen
 
 
+@dataclass(frozen=True)
+class TieRule:
+    """When a divergence from the fp32 reference passes as a near-tie: at a request's first differing
+    token, the reference's logit of its own choice exceeds that of the engine's choice by at most
+    `fraction` of the reference logits' standard deviation, and, with `top`, the engine's choice is
+    among the reference's `top` best; and at most `most_diverged` (a share) of a cell's requests
+    diverge at all."""
+
+    fraction: float
+    top: int | None = None
+    most_diverged: float = 1.0
+
+
 @dataclass
 class Reference:
     """The fp32 reference of one request: greedy tokens and the logits each was chosen from."""
@@ -116,25 +220,78 @@ class Reference:
 
 @dataclass
 class MatrixWorld:
-    """The saved base model, its two adapters, the EAGLE head, and the references (computed once
-    per (request, adapter))."""
+    """One model's saved checkpoint, its two adapters, the EAGLE head, its mixed batch (prompts,
+    output lengths, adapter per request), and the references (computed once per (request, adapter))."""
 
     lora: LoraWorld
     eagle_head: str
+    prompts: list[list[int]] = field(default_factory=lambda: list(PROMPTS))
+    max_new: list[int] = field(default_factory=lambda: list(MAX_NEW))
+    mixed: list[str | None] = field(default_factory=lambda: list(MIXED))
     references: dict[tuple[int, str | None], Reference] = field(default_factory=dict)
 
     def reference(self, index: int, adapter: str | None) -> Reference:
         key = (index, adapter)
         if key not in self.references:
-            prompt = PROMPTS[index]
-            ids, logits = hf_greedy(self.lora.merged[adapter], prompt, MAX_NEW[index])
+            prompt = self.prompts[index]
+            ids, logits = hf_greedy(self.lora.merged[adapter], prompt, self.max_new[index])
             self.references[key] = Reference(ids[len(prompt):], logits[len(prompt) - 1: -1])
         return self.references[key]
 
 
-def make_world(root: Path) -> MatrixWorld:
-    lora = make_lora_world(root, {n: ADAPTERS[n] for n in NAMES}, **MODEL_SHAPE)
-    return MatrixWorld(lora, save_exact_eagle_head(lora.merged[None], root / "eagle"))
+def save_adapted(base: torch.nn.Module, root: Path, adapters: dict[str, dict]) -> LoraWorld:
+    """Save `base` under root/base and one PEFT adapter per entry of `adapters` (random A and B, moderate
+    deltas) under root/<name>; the LoraWorld holds the base and each adapter merged into a copy.
+    (lora_helpers.make_lora_world draws the same adapters for its Llama.)"""
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = root / "base"
+    base.save_pretrained(base_dir, safe_serialization=True)
+    world = LoraWorld(base_dir, {}, {None: base})
+    for i, (name, cfg) in enumerate(adapters.items()):
+        torch.manual_seed(100 + i)
+        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **cfg))
+        with torch.no_grad():  # moderate deltas: visible in the logits, no saturation
+            for pname, param in peft_model.named_parameters():
+                if "lora_" in pname:
+                    param.copy_(0.3 * torch.randn_like(param) / param.shape[-1] ** 0.5)
+        world.adapter_dirs[name] = root / name
+        peft_model.save_pretrained(world.adapter_dirs[name])
+        world.merged[name] = peft_model.merge_and_unload().eval()
+    return world
+
+
+def make_world(root: Path, model: str = "llama") -> MatrixWorld:
+    """The world of `model` (a key of MODELS), saved under `root`."""
+    recipe = MODELS[model]
+    base = make_hf_model(recipe.config(), seed=0)
+    if recipe.init is not None:
+        recipe.init(base)
+    lora = save_adapted(base, root, recipe.adapters)
+    if recipe.exact_eagle:
+        head = save_exact_eagle_head(base, root / "eagle")
+    else:
+        head = save_feature_eagle_head(base.config, root / "eagle")
+    first, second = list(recipe.adapters)[:2]
+    mixed = [{"all7_r4": first, "qv_down_r8": second}.get(a) for a in MIXED]
+    world = MatrixWorld(lora, head, mixed=mixed)
+    if recipe.long:
+        world.prompts.append(LONG_PROMPT)
+        world.max_new.append(8)
+        world.mixed.append(first)
+    return world
+
+
+class Worlds(dict):
+    """Model name -> MatrixWorld, each made (under `root`/<model>) when a cell first asks for it."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, model: str) -> MatrixWorld:
+        world = self[model] = make_world(self.root / model, model)
+        return world
 
 
 @dataclass
@@ -147,6 +304,7 @@ class CellResult:
     message: str = ""
     ties: list = field(default_factory=list)  # (request, position, margin / std)
     seconds: float = 0.0
+    acceptance: float | None = None  # speculative cells: tokens gained per request per verify step
 
 
 @contextlib.contextmanager
@@ -160,25 +318,24 @@ def _count_opaque_calls(counter: list):
         opaque.bound_batch = real
 
 
-def run_cell(world: MatrixWorld, cell: Cell, tie_fraction: float, **settings) -> CellResult:
+def run_cell(world: MatrixWorld, cell: Cell, ties: TieRule, **settings) -> CellResult:
     """Build the cell's Engine (with `settings`: device, dtype, pool sizes), generate, compare."""
-    start, calls = time.perf_counter(), []
-    adapters = MIXED if cell.lora else [None] * len(PROMPTS)
+    start, calls, acceptance = time.perf_counter(), [], None
+    adapters = world.mixed if cell.lora else [None] * len(world.prompts)
     try:
         with _count_opaque_calls(calls):
             try:
                 engine = Engine(str(world.lora.base_dir), **settings, **cell.engine_kwargs(world))
             except ValueError as exc:
                 return CellResult(cell.label, "refused", str(exc), seconds=time.perf_counter() - start)
-            params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_NEW]
+            params = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for m in world.max_new]
             extend_replays = _count_extend_replays(engine)
-            outs = engine.generate(input_ids=PROMPTS, sampling_params=params, lora=adapters if cell.lora else None)
+            outs = engine.generate(input_ids=world.prompts, sampling_params=params,
+                                   lora=adapters if cell.lora else None)
         problems = _setup_problems(engine, cell, calls) + _extend_graph_problems(engine, cell, extend_replays)
-        ties = []
-        for i, (out, adapter) in enumerate(zip(outs, adapters)):
-            problem, tie = compare(i, out, world.reference(i, adapter), tie_fraction)
-            problems += [problem] if problem else []
-            ties += [tie] if tie else []
+        if cell.spec:
+            acceptance = round(engine.spec_worker.stats.mean_acceptance_length, 3)
+        problems, found = compare_all(outs, [world.reference(i, a) for i, a in enumerate(adapters)], ties, problems)
     finally:
         engine = None
         gc.collect()
@@ -186,8 +343,8 @@ def run_cell(world: MatrixWorld, cell: Cell, tie_fraction: float, **settings) ->
             torch._dynamo.reset()  # every cell compiles a fresh model: drop the old one's code cache
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    status = "mismatch" if problems else ("tie" if ties else "ok")
-    return CellResult(cell.label, status, "; ".join(problems), ties, time.perf_counter() - start)
+    status = "mismatch" if problems else ("tie" if found else "ok")
+    return CellResult(cell.label, status, "; ".join(problems), found, time.perf_counter() - start, acceptance)
 
 
 def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]:
@@ -206,7 +363,20 @@ def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]
     on_gpu = engine.runner.device.type == "cuda"
     if cell.graphs and on_gpu and cell.decode != "torch_native" and engine.runner.graph_runner is None:
         problems.append("graphs on, but no CUDA graph was captured")
-    return problems
+    return problems + _moe_problems(backends.get("moe"), cell, on_gpu)
+
+
+def _moe_problems(moe: dict | None, cell: Cell, on_gpu: bool) -> list[str]:
+    """A MoE model runs the MoE backend asked for; under `auto` with CUDA graphs, a graph-capable one."""
+    if not MODELS[cell.model].moe:
+        return [f"a dense model, but the engine built a MoE backend {moe}"] if moe else []
+    if moe is None:
+        return [f"model {cell.model} has experts, but the engine built no MoE backend"]
+    if cell.moe and moe["backend"] != cell.moe:
+        return [f"MoE backend {moe['backend']}, expected {cell.moe}"]
+    if not cell.moe and cell.graphs and on_gpu and moe["backend"] == "torch_native":
+        return ["--moe-backend auto chose torch_native (no graph support) with CUDA graphs on"]
+    return []
 
 
 def _count_extend_replays(engine: Engine) -> list[int]:
@@ -245,7 +415,20 @@ def _extend_graph_problems(engine: Engine, cell: Cell, extend_replays: list[int]
     return [] if extend_replays else ["EXTEND graphs captured, but no prefill replayed one"]
 
 
-def compare(index: int, out, ref: Reference, tie_fraction: float) -> tuple[str | None, tuple | None]:
+def compare_all(outs: list, refs: list[Reference], rule: TieRule, problems: list[str]) -> tuple[list[str], list]:
+    """(`problems` with those of every request added, the near-ties found) for outputs against references."""
+    problems, ties = list(problems), []
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        problem, tie = compare(i, out, ref, rule)
+        problems += [problem] if problem else []
+        ties += [tie] if tie else []
+    most = int(len(outs) * rule.most_diverged)
+    if len(ties) > most:
+        problems.append(f"{len(ties)} of {len(outs)} requests diverged (each at a near-tie); at most {most} may")
+    return problems, ties
+
+
+def compare(index: int, out, ref: Reference, rule: TieRule) -> tuple[str | None, tuple | None]:
     """(problem or None, tie or None) for request `index` against its reference."""
     if out.error is not None:
         return f"request {index}: error {out.error}", None
@@ -255,10 +438,12 @@ def compare(index: int, out, ref: Reference, tie_fraction: float) -> tuple[str |
         return (None, None) if len(got) == len(want) else (f"request {index}: {len(got)} tokens, expected {len(want)}", None)
     logits = ref.logits[j]
     margin = float((logits[want[j]] - logits[got[j]]) / logits.std())
-    if margin <= tie_fraction:
+    rank = int((logits > logits[got[j]]).sum())  # 0: the reference's own best
+    if margin <= rule.fraction and (rule.top is None or rank < rule.top):
         return None, (index, j, round(margin, 5))
+    limit = f"tie limit {rule.fraction}" + (f", the reference's top {rule.top}" if rule.top else "")
     return (f"request {index}: token {j} is {got[j]}, reference {want[j]} (margin {margin:.3f} of the logits' std, "
-            f"tie limit {tie_fraction}); got {got}, reference {want}"), None
+            f"rank {rank}; {limit}); got {got}, reference {want}"), None
 
 
 def summary(results: list[CellResult]) -> dict:
@@ -302,12 +487,13 @@ def check(result: CellResult, expected_refusal: str | None = None) -> None:
 
 
 def matrix_fixtures(dirname: str):
-    """The module-scoped `world` (models and adapters under a temporary `dirname`) and `results`
-    (every cell's result, summarised by `report` when the module ends) fixtures of a matrix test."""
+    """The module-scoped `worlds` (a `Worlds`: each model's world made under a temporary `dirname`
+    when a cell first asks for it) and `results` (every cell's result, summarised by `report` when
+    the module ends) fixtures of a matrix test."""
 
     @pytest.fixture(scope="module")
-    def world(tmp_path_factory):
-        return make_world(tmp_path_factory.mktemp(dirname))
+    def worlds(tmp_path_factory):
+        return Worlds(tmp_path_factory.mktemp(dirname))
 
     @pytest.fixture(scope="module")
     def results():
@@ -316,4 +502,4 @@ def matrix_fixtures(dirname: str):
         if collected:
             report(collected)
 
-    return world, results
+    return worlds, results

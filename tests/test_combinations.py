@@ -13,6 +13,15 @@ output. The extend-graphs axis matters only where graphs are captured (the GPU);
   speculation axis once each, with LoRA none / torch_native / triton (3 cells);
 - triton attention (interpreted, slow): every pair of {triton, triton prefill + torch_native
   decode, torch_native prefill + triton decode} x LoRA x speculation (10 cells, see `pairwise`).
+The other models (tests/helpers_combinations.py MODELS: a Gemma 2 with a 4-token sliding window on
+layer 0 and attention and final logit soft-caps, a Qwen3-MoE with 8 experts, top 2, its MoE on
+torch_native, the only CPU MoE backend) get a smaller subset, ~35 s together:
+- torch_native attention: LoRA {none, torch_native} x speculation {none, ngram, eagle} (6 cells each);
+- Gemma: one triton cell (ngram: the interpreted kernels' window and soft-cap under verify);
+  Qwen3-MoE: LoRA triton (attention projections) with EAGLE, and one torch.compile cell
+  (`--moe-backend auto`, through the opaque MoE op). The MoE model's attention is the Llama one, which
+  the triton attention cells above cover.
+Cells failing by a known bug are listed in KNOWN_BUGS (strict xfail: fixed, they fail until removed).
 The full product, graphs and compile with every backend, runs on the GPU.
 """
 
@@ -24,12 +33,13 @@ import pytest
 
 import torch
 
-from helpers_combinations import Cell, CellResult, Reference, check, compare, matrix_fixtures, pairwise, run_cell
+from helpers_combinations import (MODELS, PROMPTS, Cell, CellResult, Reference, TieRule, check, compare,
+                                  compare_all, matrix_fixtures, pairwise, run_cell)
 
 LORA = [None, "torch_native", "triton"]
 SPEC = [None, "ngram", "eagle"]
 SPLITS = [("triton", "triton"), ("triton", "torch_native"), ("torch_native", "triton")]
-TIE_FRACTION = 1e-3  # fp32 against fp32: only an exact-arithmetic near-tie may flip
+TIES = TieRule(1e-3)  # fp32 against fp32: only an exact-arithmetic near-tie may flip
 
 CELLS = (
     [Cell("torch_native", "torch_native", lora, spec) for lora in LORA for spec in SPEC]
@@ -37,11 +47,24 @@ CELLS = (
     + [Cell(*c["attention"], c["lora"], c["spec"]) for c in pairwise({"attention": SPLITS, "lora": LORA, "spec": SPEC})]
     + [Cell("torch_native", "torch_native", "torch_native", "ngram", graphs=True)]
     + [Cell("torch_native", "torch_native", None, "ngram", graphs=True, extend_graphs=False)]
+    + [Cell("torch_native", "torch_native", lora, spec, model="gemma2") for lora in LORA[:2] for spec in SPEC]
+    + [Cell("triton", "triton", None, "ngram", model="gemma2")]
+    + [Cell("torch_native", "torch_native", lora, spec, model="qwen3_moe", moe="torch_native")
+       for lora in LORA[:2] for spec in SPEC]
+    + [Cell("torch_native", "torch_native", "triton", "eagle", model="qwen3_moe", moe="torch_native")]
+    + [Cell("torch_native", "torch_native", None, "ngram", compile=True, model="qwen3_moe")]
 )
+# NOTE: known bugs, each cell failing deterministically (strict: a fix makes it fail until removed here).
+TREE_WINDOW_BUG = ("EAGLE's top-2 tree verify on sliding-window layers: attention windows a draft node by its "
+                   "index in the tree, not by its position (num_cached + depth)")
+KNOWN_BUGS = {
+    "model=gemma2 attn=torch_native lora=none spec=eagle compile=off graphs=off": TREE_WINDOW_BUG,
+    "model=gemma2 attn=torch_native lora=torch_native spec=eagle compile=off graphs=off": TREE_WINDOW_BUG,
+}
 SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8)
 
 
-world, results = matrix_fixtures("matrix")
+worlds, results = matrix_fixtures("matrix")
 
 
 def test_pairwise_covers_every_pair():
@@ -61,6 +84,28 @@ def test_extend_graph_axis_in_labels_and_flags():
     assert len({c.label for c in CELLS}) == len(CELLS)
 
 
+def test_model_axis_labels_and_worlds():
+    """A Llama cell's label has no model (older result files match); others name the model, and a MoE
+    model's its MoE backend. Each world's config keeps its architecture's features on."""
+    assert Cell("triton", "triton").label == "attn=triton lora=none spec=none compile=off graphs=off"
+    assert Cell("triton", "triton", model="gemma2").label.startswith("model=gemma2 attn=triton ")
+    assert Cell("triton", "triton", model="qwen3_moe").label.endswith("graphs=off moe=auto")
+    assert Cell("triton", "triton", model="qwen3_moe", moe="triton").engine_kwargs(None)["moe_backend"] == "triton"
+    with pytest.raises(ValueError, match="model 'gemma2' has no experts"):
+        Cell("triton", "triton", model="gemma2", moe="triton")
+    with pytest.raises(ValueError, match="expected one of"):
+        Cell("triton", "triton", model="gemma9")
+    gemma = MODELS["gemma2"].config()
+    sliding = [i for i, t in enumerate(gemma.layer_types) if t == "sliding_attention"]
+    assert sliding and len(sliding) < gemma.num_hidden_layers  # interleaved with a global layer
+    assert gemma.sliding_window < sum(len(p) for p in PROMPTS[:3]) / 3  # it cuts most prompts already
+    assert gemma.attn_logit_softcapping and gemma.final_logit_softcapping
+    moe = MODELS["qwen3_moe"].config()
+    assert (moe.num_experts, moe.num_experts_per_tok, MODELS["qwen3_moe"].moe) == (8, 2, True)
+    assert all(set(a["target_modules"]) <= {"q_proj", "k_proj", "v_proj", "o_proj"}
+               for a in MODELS["qwen3_moe"].adapters.values())
+
+
 def test_tie_rule_and_refusal_lines():
     """A divergence passes only where the reference's top two are within the tie limit; a refusal
     passes only when expected and one line naming a flag."""
@@ -74,15 +119,23 @@ def test_tie_rule_and_refusal_lines():
 
     out = Out()
     out.token_ids = [2, 4, 1]
-    assert compare(0, out, ref, TIE_FRACTION) == (None, None)
+    assert compare(0, out, ref, TIES) == (None, None)
     out.token_ids = [2, 5, 6]
-    problem, tie = compare(0, out, ref, TIE_FRACTION)
+    problem, tie = compare(0, out, ref, TIES)
     assert problem is None and tie[:2] == (0, 1)
     out.token_ids = [3, 4, 1]
-    problem, tie = compare(0, out, ref, TIE_FRACTION)
+    problem, tie = compare(0, out, ref, TIES)
     assert tie is None and "token 0 is 3, reference 2" in problem
     out.token_ids = [2, 4]
-    assert "2 tokens, expected 3" in compare(0, out, ref, TIE_FRACTION)[0]
+    assert "2 tokens, expected 3" in compare(0, out, ref, TIES)[0]
+    # The MoE rule (the GPU's, for router flips): a looser margin, within the top `top`, and not
+    # every request may diverge.
+    loose = TieRule(0.5, top=2, most_diverged=0.5)
+    logits[0, 3] = 4.9  # request 0, token 0: 3 is a near-tie of 2, rank 1
+    out.token_ids = [3, 4, 1]
+    assert compare(0, out, ref, loose)[1] is not None and compare(0, out, ref, TieRule(0.5, top=1))[0] is not None
+    problems, ties = compare_all([out, out], [ref, ref], loose, [])
+    assert len(ties) == 2 and problems == ["2 of 2 requests diverged (each at a near-tie); at most 1 may"]
     refused = CellResult("cell", "refused", "--lora-backend x: unusable with --speculative-algorithm y")
     check(refused, expected_refusal="unusable")
     with pytest.raises(AssertionError, match="refused at startup"):
@@ -94,8 +147,10 @@ def test_tie_rule_and_refusal_lines():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run of Triton needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.test_id)
-def test_cell(world, results, cell):
-    result = run_cell(world, cell, TIE_FRACTION, **SETTINGS)
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_BUGS[c.label], strict=True)) if c.label in KNOWN_BUGS else c
+    for c in CELLS], ids=lambda c: c.test_id)
+def test_cell(worlds, results, cell):
+    result = run_cell(worlds[cell.model], cell, TIES, **SETTINGS)
     results.append(result)
     check(result)
