@@ -82,7 +82,7 @@ def activations(m, k, seed, dtype=torch.float32):
 @triton.jit
 def _cast_kernel(x_ptr, q_ptr, N: tl.constexpr):
     r = tl.arange(0, N)
-    tl.store(q_ptr + r, qk._to_fp8(tl.load(x_ptr + r), 1.0))
+    tl.store(q_ptr + r, qk._to_fp8(tl.load(x_ptr + r), tl.full((N,), 1.0, tl.float32)))
 
 
 def test_fp8_rounding_matches_torchs_cast_at_every_midpoint():
