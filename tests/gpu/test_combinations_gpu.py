@@ -21,6 +21,7 @@ torch_native (no splits), CUDA graphs off / on with extend graphs:
   attention projections); and `--moe-backend torch_native` twice with graphs off (it runs) and once
   with graphs on (refused in one line at startup, as expected). Its divergences follow the MoE
   near-tie rule (MOE_TIES), not the dense one.
+BACKPLANE_MATRIX_MODELS=llama,gemma2 keeps the cells of those models only (default: every model).
 BACKPLANE_MATRIX_SHARD=i/n runs every n-th cell from the i-th (`python -m bench.run matrix` runs
 four shards side by side and merges their JSON into matrix.json), and BACKPLANE_MATRIX_OUT=path
 writes the summary (cells, refusals with their lines, mismatches, ties, times) as JSON.
@@ -76,6 +77,13 @@ def _cells() -> list[Cell]:
         cells += [Cell(*c["attention"], c["lora"], c["spec"], True, *c["graphs"]) for c in pairwise(axes)]
     cells += [cell for model in MODELS if model != "llama" for cell in _model_cells(model)]
     cells += [cell for cell, _ in MOE_TORCH_NATIVE]
+    models = os.environ.get("BACKPLANE_MATRIX_MODELS")
+    if models:
+        chosen = models.split(",")
+        unknown = sorted(set(chosen) - set(MODELS))
+        if unknown:
+            raise ValueError(f"BACKPLANE_MATRIX_MODELS={models!r}: unknown {unknown}; expected names of {sorted(MODELS)}")
+        cells = [cell for cell in cells if cell.model in chosen]
     shard = os.environ.get("BACKPLANE_MATRIX_SHARD")
     if shard:
         index, count = (int(v) for v in shard.split("/"))
