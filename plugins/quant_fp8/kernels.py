@@ -15,7 +15,8 @@ tile's counter; the last to arrive sums the partials in slice order (the result 
 which program came last), adds the bias, writes the output and sets the counter back to zero.
 `fuse_quant` quantizes x inside the GEMM (one launch): channel_matmul first reads x's rows once for
 their maxima (cheap while M * K is small); block_matmul quantizes each 1 x BLOCK_K group as it
-loads it. Otherwise quantize_rows runs first. Nothing depends on the data on the host: CUDA graphs
+loads it; at M = 1 both quantize the one row and broadcast it to the tile's 16 rows (tl.dot needs
+16). Otherwise quantize_rows runs first. Nothing depends on the data on the host: CUDA graphs
 capture every path.
 
 Scales are computed as torch computes quantize.py's `amax / FP8_MAX` on CUDA: amax times the fp32
@@ -177,10 +178,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
 @triton.jit
 def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                     stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
-                    FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (n, s, m): output tile m x n over K slice s. x fp8 [M, K] with scales sx (stride 0:
-    one scale), or (FUSE_QUANT) x in the model dtype, quantized per row here; w [N, K] fp8."""
+    one scale), or (FUSE_QUANT) x in the model dtype, quantized per row here: first the rows' maxima
+    over all of K, then each K step as it is loaded. ONE_ROW (M = 1): x is quantized as one row and
+    broadcast to the tile's rows, not BLOCK_M copies of it. w [N, K] fp8."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,26 +194,37 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
     steps = tl.cdiv(K, BLOCK_K)
     first = pid_k * tl.cdiv(steps, split_k)
     last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
-    if FUSE_QUANT:  # the rows' maxima over all of K, then each K step is quantized as it is loaded
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if FUSE_QUANT and ONE_ROW:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for step in range(0, steps):
             k = step * BLOCK_K + rk
-            xs = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
-        sx = _scale_of(amax)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)))
+        row_scale = _scale_of(tl.max(amax, axis=0))
+        sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + row_scale
+    elif FUSE_QUANT:
+        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for step in range(0, steps):
+            k = step * BLOCK_K + rk
+            amax = tl.maximum(amax, tl.abs(tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)))
+        sx = _scale_of(tl.max(amax, axis=1))
     else:
         sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first, last):
         k = step * BLOCK_K + rk
-        if EVEN_K:
+        if FUSE_QUANT and ONE_ROW:
+            row = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            a = tl.broadcast_to(_to_fp8(row, row_scale)[None, :], (BLOCK_M, BLOCK_K))
+        elif EVEN_K:
             a = tl.load(x_rows + k[None, :])
-            b = tl.load(w_rows + k[:, None])  # [BLOCK_K, BLOCK_N]
         else:
             a = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            b = tl.load(w_rows + k[:, None], mask=k[:, None] < K, other=0.0)
-        if FUSE_QUANT:
+        if FUSE_QUANT and not ONE_ROW:
             a = _to_fp8(a.to(tl.float32), sx[:, None])
+        if EVEN_K:
+            b = tl.load(w_rows + k[:, None])  # [BLOCK_K, BLOCK_N]
+        else:
+            b = tl.load(w_rows + k[:, None], mask=k[:, None] < K, other=0.0)
         acc = tl.dot(a, b, acc)
     sw = tl.load(sw_ptr + rn_in * stride_sw)
     acc = acc * sx[:, None] * sw[None, :]
@@ -221,8 +235,8 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
 @triton.jit
 def _block_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                   stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, HAS_BIAS: tl.constexpr,
-                  FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (n, s, m) as in _channel_kernel; BLOCK_K is the weight block's columns (the activation
     group), K a multiple of it; SCALE_ROWS the weight block's rows. x fp8 with group scales sx
     [M, K / BLOCK_K], or (FUSE_QUANT) in the model dtype, each group quantized as it is loaded."""
@@ -240,12 +254,17 @@ def _block_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counter
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first, last):
         k = step * BLOCK_K + rk
-        a = tl.load(x_rows + k[None, :])
-        if FUSE_QUANT:
-            a32 = a.to(tl.float32)
+        if FUSE_QUANT and ONE_ROW:
+            row = tl.load(x_ptr + k).to(tl.float32)
+            group_scale = _scale_of(tl.max(tl.abs(row), axis=0))
+            a = tl.broadcast_to(_to_fp8(row, group_scale)[None, :], (BLOCK_M, BLOCK_K))
+            a_s = tl.zeros((BLOCK_M,), dtype=tl.float32) + group_scale
+        elif FUSE_QUANT:
+            a32 = tl.load(x_rows + k[None, :]).to(tl.float32)
             a_s = _scale_of(tl.max(tl.abs(a32), axis=1))
             a = _to_fp8(a32, a_s[:, None])
         else:
+            a = tl.load(x_rows + k[None, :])
             a_s = tl.load(sx_ptr + rm_in * stride_sxm + step)
         b = tl.load(w_rows + k[:, None])
         b_s = tl.load(sw_rows + step)
@@ -320,7 +339,7 @@ def _launch(kernel, x, sx, weight, sw, bias, launch: Launch, counters, out_dtype
     kernel[(n_tiles, split, grid_m)](
         x, sx, weight, sw, bias if bias is not None else y, y, ws, counters, m, n, k, split,
         x.stride(0), scale_strides[0], weight.stride(0), scale_strides[1], y.stride(0),
-        HAS_BIAS=bias is not None, FUSE_QUANT=x.dtype != fq.FP8, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        HAS_BIAS=bias is not None, FUSE_QUANT=x.dtype != fq.FP8, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages, **constants)
     return y
 
