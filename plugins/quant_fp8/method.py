@@ -77,6 +77,10 @@ class Fp8LinearMethod(QuantMethod):
         if scheme.static_input:
             layer.input_scale = new_parameter(layer.input_scale.data.max().reshape(()), PER_PART)
         self.use_cuda = _fp8_matmul_device(layer.weight.device)
+        if self.use_cuda:  # the split-K kernels' tile counters, one set per layer (no zero-fill per call)
+            from backplane.plugins.quant_fp8.kernels import new_counters
+
+            self.counters = new_counters(layer.weight)
 
     def _one_tensor_scale(self, layer: nn.Module) -> None:
         """Per-part scales of a fused layer -> one scale, their maximum: each part is requantized to it
@@ -99,7 +103,8 @@ class Fp8LinearMethod(QuantMethod):
         if getattr(self, "use_cuda", False):
             from backplane.plugins.quant_fp8.cuda import cuda_linear
 
-            y = cuda_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias)
+            y = cuda_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias,
+                            getattr(self, "counters", None))
         else:
             y = reference_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])

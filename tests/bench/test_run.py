@@ -72,7 +72,7 @@ def test_an_unknown_group_lists_the_groups(capsys):
     assert "decode-1b:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["decode", "prefill", "ttft", "e2e", "serving", "lora", "spec", "attention", "lora_kernels", "ops", "moe_layer", "moe_decode", "run"])
+@pytest.mark.parametrize("name", ["decode", "prefill", "ttft", "e2e", "serving", "lora", "spec", "attention", "lora_kernels", "ops", "moe_layer", "moe_decode", "quant_kernels", "run"])
 def test_every_benchmark_imports_and_answers_help_without_a_gpu(name, capsys):
     with pytest.raises(SystemExit) as stop:
         importlib.import_module(f"bench.{name}").main(["--help"])
