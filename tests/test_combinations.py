@@ -55,12 +55,7 @@ CELLS = (
     + [Cell("torch_native", "torch_native", None, "ngram", compile=True, model="qwen3_moe")]
 )
 # NOTE: known bugs, each cell failing deterministically (strict: a fix makes it fail until removed here).
-TREE_WINDOW_BUG = ("EAGLE's top-2 tree verify on sliding-window layers: attention windows a draft node by its "
-                   "index in the tree, not by its position (num_cached + depth)")
-KNOWN_BUGS = {
-    "model=gemma2 attn=torch_native lora=none spec=eagle compile=off graphs=off": TREE_WINDOW_BUG,
-    "model=gemma2 attn=torch_native lora=torch_native spec=eagle compile=off graphs=off": TREE_WINDOW_BUG,
-}
+KNOWN_BUGS: dict[str, str] = {}
 SETTINGS = dict(device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8)
 
 

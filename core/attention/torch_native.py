@@ -65,17 +65,38 @@ def _mask_starts(batch: ForwardBatch) -> list[int | None]:
 
 
 def _visible(plan: _RequestPlan, layer: AttentionLayerInfo, batch: ForwardBatch, device) -> torch.Tensor:
-    """Which keys each query may see: [num_queries, seq_len] bool."""
-    q_pos = torch.arange(plan.seq_len - plan.num_queries, plan.seq_len, device=device)[:, None]
-    k_pos = torch.arange(plan.seq_len, device=device)[None, :]
+    """Which keys each query may see: [num_queries, seq_len] bool.
+
+    Causality and the custom mask go by key index (the column of the request's row in
+    req_to_token); the sliding window goes by position (`_key_positions`).
+    """
+    prefix = plan.seq_len - plan.num_queries
+    index = torch.arange(plan.seq_len, device=device)
     if plan.mask_start is not None:
         end = plan.mask_start + plan.num_queries * plan.seq_len
         mask = batch.custom_mask[plan.mask_start : end].view(plan.num_queries, plan.seq_len).bool()
     else:
-        mask = k_pos <= q_pos  # causal
+        mask = index[None, :] <= index[prefix:, None]  # causal
     if layer.sliding_window > 0:
-        mask = mask & (k_pos > q_pos - layer.sliding_window)
+        k_pos = _key_positions(plan, batch, device)  # [seq_len]
+        q_pos = k_pos[prefix:]  # a query is the request's new key of its own index
+        mask = mask & (k_pos[None, :] > q_pos[:, None] - layer.sliding_window)
     return mask
+
+
+def _key_positions(plan: _RequestPlan, batch: ForwardBatch, device) -> torch.Tensor:
+    """The position of each key of a request: [seq_len] int64.
+
+    The cached prefix holds positions 0..prefix-1 at their own indices. Without a custom mask the
+    new tokens follow in order (EXTEND, DRAFT_EXTEND, DECODE: a key's index is its position). Under
+    a custom mask they are the nodes of a draft tree (TARGET_VERIFY), node i at num_cached +
+    depth(i), not num_cached + i: their positions are the batch's.
+    """
+    if plan.mask_start is None:
+        return torch.arange(plan.seq_len, device=device)
+    prefix = plan.seq_len - plan.num_queries
+    new = batch.positions[plan.q_start : plan.q_start + plan.num_queries].to(device, torch.int64)
+    return torch.cat([torch.arange(prefix, device=device), new])
 
 
 def _attend(q, keys, values, visible, layer: AttentionLayerInfo) -> torch.Tensor:
