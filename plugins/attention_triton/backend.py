@@ -112,7 +112,7 @@ class TritonAttnBackend(AttentionBackend):
             q, k, v, o, k_buffer, v_buffer, self.req_to_token, meta.req_pool_indices, meta.qo_indptr,
             meta.prefix_lens, meta.max_q_len, layer.scaling, softcap=layer.logit_softcap,
             window=layer.sliding_window, custom_mask=meta.custom_mask, mask_indptr=meta.mask_indptr,
-            k_scale=k_scale, v_scale=v_scale,
+            positions=meta.positions, k_scale=k_scale, v_scale=v_scale,
         )
 
     def forward_decode(self, q, k, v, layer: AttentionLayerInfo, batch: ForwardBatch,

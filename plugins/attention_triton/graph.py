@@ -4,7 +4,8 @@ A decode graph of batch size bs reads req_pool_indices[:bs], seq_lens[:bs] and a
 shared split scratch; its split count is fixed at capture from bs alone (the kernel lowers it per
 request from the sequence length on the device). A TARGET_VERIFY graph reads a fixed qo_indptr
 (tokens_per_request apart), prefix lengths derived from seq_lens at replay, and, when captured
-with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries. A
+with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries and the
+tokens' positions (a windowed layer reads them under a tree mask). A
 DRAFT_EXTEND graph with the same tokens in every request (an EAGLE draft window) is bound like a
 verify graph without a mask (causal). An EXTEND graph (a token bucket shared by requests of any
 lengths, `key.ragged`) reads its own qo_indptr and prefix lengths, rewritten from the padded
@@ -45,6 +46,7 @@ class GraphBuffers:
         self.extend_prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.ragged: set[Any] = set()
         self.custom_mask: torch.Tensor | None = None  # allocated by the first verify capture with a mask
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)  # verify with a mask
         rows = max(bs * splits_for_bs(bs) for bs in range(1, max_bs + 1))
         # Split partials, shared by every decode graph (graphs never run concurrently).
         self.attn_logits = torch.empty(rows * num_heads * v_dim, dtype=torch.float32, device=device)
@@ -138,6 +140,7 @@ class GraphBuffers:
                 self.custom_mask = torch.zeros(size, dtype=torch.bool, device=self.qo_indptr.device)
             meta.custom_mask = self.custom_mask
             meta.mask_indptr = self.mask_indptr[: bs + 1]
+            meta.positions = self.positions[: bs * per_request]
         return meta
 
     def _add_verify_scratch(self, meta: ExtendMetadata, bs: int, per_request: int) -> None:
@@ -167,6 +170,9 @@ class GraphBuffers:
             )
         bs = batch.batch_size
         self.custom_mask[:n].copy_(batch.custom_mask)
+        num_tokens = min(batch.positions.shape[0], bs * per_request)
+        self.positions[:num_tokens].copy_(batch.positions[:num_tokens])
+        self.positions[num_tokens : bs * per_request].zero_()  # padded tokens (position 0, as the runner pads)
         counts = torch.full((bs,), per_request, dtype=torch.int32, device=self.mask_indptr.device)
         rows = mask_row_counts(self.prefix_lens[:bs], counts)
         self.mask_indptr[1 : bs + 1].copy_(torch.cumsum(rows, 0))

@@ -31,6 +31,8 @@ class ExtendMetadata:
 
     qo_indptr: [bs + 1] int32 over the batch's new tokens; prefix_lens: [bs] int32
     custom_mask: flat bool, request b's [q_len, prefix + q_len] mask at mask_indptr[b] ([bs + 1] int64)
+    positions: [num_tokens] int64, the new tokens' positions, set with a custom mask (a windowed
+      layer reads them: a draft tree's node i is at num_cached + depth(i), not num_cached + i)
     max_q_len: the most new tokens of any request (the kernel grid)
     """
 
@@ -40,6 +42,7 @@ class ExtendMetadata:
     max_q_len: int
     custom_mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
     # TARGET_VERIFY through the split-KV verify kernel (verify_kernel="split"): the splits, their
     # scratch ([num_tokens, num_heads, splits, v_dim] and [num_tokens, num_heads, splits] fp32) and
     # seq_lens [bs]; None when the extend kernel serves the batch.
@@ -92,6 +95,7 @@ def build_extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
     if batch.custom_mask is not None:
         meta.custom_mask = batch.custom_mask
         meta.mask_indptr = batch.mask_indptr
+        meta.positions = batch.positions
         if meta.mask_indptr is None:
             meta.mask_indptr = exclusive_cumsum(mask_row_counts(prefix, counts), torch.int64)
     return meta
