@@ -9,12 +9,15 @@ A route names the kernels that serve one layer configuration in one forward mode
                  mask, sliding-window layers of an EXTEND with a prefix: the split above
                  would place the window relative to the prefix, not the query, and every EXTEND
                  inside a CUDA graph: the new keys are in the pool before attention runs)
-  masked         BatchPrefill paged over all keys with the batch's custom mask
+  masked         BatchPrefill paged over all keys with the batch's custom mask; a sliding-window
+                 layer's mask has the window folded in by position (`window_mask`) and is planned
+                 with window_left=-1: FlashInfer counts the window by key index, and a draft
+                 tree's node i sits at num_cached + depth(i), not num_cached + i
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +60,16 @@ class GraphBuffers:
     qo_indptr: torch.Tensor
     custom_mask: torch.Tensor
     mask_indptr: torch.Tensor
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_buffer(self, window_left: int) -> torch.Tensor:
+        """The packed-mask buffer of the masked wrappers of `window_left`: the layers without a window
+        share `custom_mask`; each window has its own (its mask differs), allocated on first use."""
+        if window_left < 0:
+            return self.custom_mask
+        if window_left not in self.window_masks:
+            self.window_masks[window_left] = torch.zeros_like(self.custom_mask)
+        return self.window_masks[window_left]
 
     @classmethod
     def allocate(cls, max_bs: int, max_num_tokens: int, max_context_len: int, device) -> GraphBuffers:
@@ -91,6 +104,7 @@ class ForwardGeometry:
         self._prefix_lens_cpu = _prefix_lens_cpu(batch, self.query_lens_cpu)
         self.has_prefix = self.mode is ForwardMode.EXTEND and bool((self._prefix_lens_cpu > 0).any())
         self._spans: dict[str, KvSpan] = {}
+        self._window_masks: dict[int, torch.Tensor] = {}
 
     def route(self, config: LayerConfig) -> str:
         if self.mode.is_decode:
@@ -102,6 +116,16 @@ class ForwardGeometry:
         if not self.has_prefix:
             return RAGGED
         return RAGGED_PREFIX if config.window_left < 0 else PAGED
+
+    def mask_for(self, config: LayerConfig) -> torch.Tensor | None:
+        """The custom mask the masked wrapper of `config` is planned with: the batch's, with a sliding
+        window folded in by position (that wrapper plans window_left=-1)."""
+        if self.custom_mask is None or config.window_left < 0:
+            return self.custom_mask
+        if config.window_left not in self._window_masks:
+            self._window_masks[config.window_left] = window_mask(self.batch, self.custom_mask, self.query_lens_cpu,
+                                                                 config.window_left + 1)
+        return self._window_masks[config.window_left]
 
     @property
     def full(self) -> KvSpan:
@@ -165,3 +189,31 @@ def _flat_custom_mask(batch: ForwardBatch, query_lens_cpu: torch.Tensor) -> torc
         )
     mask = mask[:needed]
     return mask if mask.dtype == torch.bool else mask.bool()
+
+
+def window_mask(batch: ForwardBatch, custom_mask: torch.Tensor, query_lens_cpu: torch.Tensor,
+                window: int) -> torch.Tensor:
+    """`custom_mask` with a sliding window of `window` keys folded in by position: key j stays visible
+    from query t only when pos(j) > pos(t) - window.
+
+    custom_mask: flat bool, request after request a row-major [q_len, seq_len] block (`_flat_custom_mask`);
+    query_lens_cpu: [batch_size] host. A request's cached prefix keys are at positions 0..prefix-1,
+    its new keys (the queries, in order) at `batch.positions`. Device work only: the per-token lengths
+    are built on the host and copied once; no host synchronisation. Returns a bool tensor like custom_mask.
+    """
+    device = custom_mask.device
+    q_lens = query_lens_cpu.long()
+    seq = batch.seq_lens_cpu[: q_lens.numel()].long()
+    q_start = torch.cumsum(q_lens, 0) - q_lens
+    # per query token: its request's seq_len, prefix length and first query token
+    per_token = torch.stack([torch.repeat_interleave(x, q_lens) for x in (seq, seq - q_lens, q_start)])
+    seq_t, prefix_t, start_t = per_token.to(device, non_blocking=True)
+    num_tokens, total = int(q_lens.sum()), custom_mask.numel()
+    positions = batch.positions[:num_tokens].to(torch.int64)
+    # per mask entry: its query token (row) and key index (column)
+    row = torch.repeat_interleave(torch.arange(num_tokens, device=device), seq_t, output_size=total)
+    col = torch.arange(total, device=device) - (torch.cumsum(seq_t, 0) - seq_t)[row]
+    prefix = prefix_t[row]
+    new_key = (start_t[row] + col - prefix).clamp_(0, max(num_tokens - 1, 0))
+    key_pos = torch.where(col < prefix, col, positions[new_key])
+    return custom_mask & (key_pos > positions[row] - window)

@@ -77,7 +77,8 @@ class GraphBinding:
             paged_kv_last_page_len_buffer=b.last_page_len[:bs],
         )
 
-    def prefill_kwargs(self, masked: bool) -> dict[str, Any]:
+    def prefill_kwargs(self, masked: bool, window_left: int = -1) -> dict[str, Any]:
+        """masked: the wrapper takes a custom mask, into the mask buffer of its `window_left`."""
         bs, b = self.batch_size, self.buffers
         return dict(
             use_cuda_graph=True,
@@ -85,7 +86,7 @@ class GraphBinding:
             paged_kv_indptr_buf=b.kv_indptr[: bs + 1],
             paged_kv_indices_buf=b.kv_indices,
             paged_kv_last_page_len_buf=b.last_page_len[:bs],
-            custom_mask_buf=b.custom_mask if masked else None,
+            custom_mask_buf=b.mask_buffer(window_left) if masked else None,
             mask_indptr_buf=b.mask_indptr[: bs + 1] if masked else None,
         )
 
@@ -109,10 +110,10 @@ class WrapperCache:
     def get(self, role: str, config: LayerConfig) -> Any:
         key = (role, config)
         if key not in self._wrappers:
-            self._wrappers[key] = self._create(role)
+            self._wrappers[key] = self._create(role, config)
         return self._wrappers[key]
 
-    def _create(self, role: str) -> Any:
+    def _create(self, role: str, config: LayerConfig) -> Any:
         import flashinfer
 
         graph = self.binding
@@ -124,7 +125,7 @@ class WrapperCache:
         if role == RAGGED:
             assert graph is None, "ragged prefill is never captured"
             return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, KV_LAYOUT)
-        kwargs = graph.prefill_kwargs(masked=role == MASKED) if graph else {}
+        kwargs = graph.prefill_kwargs(masked=role == MASKED, window_left=config.window_left) if graph else {}
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, KV_LAYOUT, backend=PAGED_BACKEND, **kwargs)
 
 
@@ -201,9 +202,10 @@ def _empty_cpu(dtype: torch.dtype) -> torch.Tensor:
 
 
 def plan(wrapper: Any, role: str, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> None:
-    """Plan `wrapper` (of `role`) for the batch in `geo` and the layers sharing `config` (host side)."""
+    """Plan `wrapper` (of `role`) for the batch in `geo` and the layers sharing `config` (host side).
+    A masked wrapper gets the window folded into its mask by position (`geo.mask_for`), none of its own."""
     common = dict(
-        window_left=config.window_left,
+        window_left=-1 if role == MASKED else config.window_left,
         logits_soft_cap=config.logits_soft_cap,
         sm_scale=config.sm_scale,
         q_data_type=dims.q_dtype,
@@ -225,7 +227,7 @@ def plan(wrapper: Any, role: str, geo: ForwardGeometry, config: LayerConfig, dim
             *heads,
             1,  # page_size
             causal=role == PAGED,
-            custom_mask=geo.custom_mask if role == MASKED else None,
+            custom_mask=geo.mask_for(config) if role == MASKED else None,
             uniform_q_len=geo.uniform_q_len,
             **common,
         )
