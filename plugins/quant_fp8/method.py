@@ -81,6 +81,9 @@ class Fp8LinearMethod(QuantMethod):
             from backplane.plugins.quant_fp8.kernels import new_counters
 
             self.counters = new_counters(layer.weight)
+            from backplane.plugins.quant_fp8.opaque import scheme_key  # registers torch.ops.backplane_fp8.linear
+
+            self.scheme_key = scheme_key(self.scheme)
 
     def _one_tensor_scale(self, layer: nn.Module) -> None:
         """Per-part scales of a fused layer -> one scale, their maximum: each part is requantized to it
@@ -103,8 +106,13 @@ class Fp8LinearMethod(QuantMethod):
         if getattr(self, "use_cuda", False):
             from backplane.plugins.quant_fp8.cuda import cuda_linear
 
-            y = cuda_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias,
-                            getattr(self, "counters", None))
+            counters = getattr(self, "counters", None)
+            if torch.compiler.is_compiling():  # one opaque call (plugins/quant_fp8/opaque.py): Dynamo never traces the launch tables
+                y = torch.ops.backplane_fp8.linear(x2, layer.weight, self.weight_scale(layer), self.input_scale(layer),
+                                                   bias, counters, self.scheme_key)
+            else:
+                y = cuda_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias,
+                                counters)
         else:
             y = reference_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
