@@ -12,7 +12,7 @@ overrides `load_weights` / `checkpoint_shapes` (plugins/model_phi3 does).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -117,12 +117,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ctx: ModelContext, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, ctx: ModelContext, qkv_bias: bool, qk_norm: bool,
+                 decoder_layer: Callable[[int], nn.Module] | None = None):
+        """decoder_layer(layer_id): a family's own decoder layer (same forward signature as
+        LlamaDecoderLayer), e.g. one whose MLP is a mixture of experts; default LlamaDecoderLayer."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx.parallel, ctx.dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, ctx, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
-        )
+        make = decoder_layer or (lambda i: LlamaDecoderLayer(config, i, ctx, qkv_bias, qk_norm))
+        self.layers = nn.ModuleList(make(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from backplane.contracts import ForwardBatch
-from backplane.layers import FusedMoE, LogitsProcessor, ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from backplane.layers import FusedMoE, LogitsProcessor, ParallelLMHead, RMSNorm
 from backplane.layers import expert_params_mapping
 from backplane.models import STACKED_PARAMS, ModelContext, ModelOutput, llama_checkpoint_shapes, load_named_weights
-from backplane.models.llama import LlamaAttention, LlamaMLP
+from backplane.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
 
 class MoeDecoderLayer(nn.Module):
@@ -53,22 +53,6 @@ class MoeDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return getattr(self, self.mlp_name)(hidden), residual
-
-
-class MoeModel(nn.Module):
-    def __init__(self, config, ctx: ModelContext, family: type[MoeForCausalLM]):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx.parallel, ctx.dtype)
-        self.layers = nn.ModuleList(MoeDecoderLayer(config, i, ctx, family) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, ctx.dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-normed hidden states [T, hidden_size]."""
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class MoeForCausalLM(nn.Module):
@@ -120,7 +104,9 @@ class MoeForCausalLM(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act: expected 'silu' for {type(self).__name__}, got {config.hidden_act!r}")
         self.config, self.ctx = config, ctx
-        self.model = MoeModel(config, ctx, type(self))
+        family = type(self)
+        self.model = LlamaModel(config, ctx, family.qkv_bias_of(config), family.qk_norm,
+                                decoder_layer=lambda i: MoeDecoderLayer(config, i, ctx, family))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
