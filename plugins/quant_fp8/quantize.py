@@ -20,7 +20,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] fp8, scale [M, 1]), one dynamic scale per row."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)  # as CUDA rounds it
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
     return _to_fp8(x, scale), scale
 
 
@@ -37,7 +37,7 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     per row and run of `group` columns (the 1x128 activation groups of block-wise FP8)."""
     m, k = x.shape
     grouped = x.reshape(m, k // group, group)
-    scale = (grouped.abs().amax(dim=-1, keepdim=True).float() * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)
+    scale = (grouped.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
     return _to_fp8(grouped, scale).reshape(m, k), scale.reshape(m, k // group)
 
 
