@@ -20,7 +20,6 @@ with that message, which must be one line naming the flags.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import itertools
 import json
@@ -36,7 +35,7 @@ import torch
 from backplane import Engine, SamplingParams
 from backplane.ops import opaque
 from helpers_models import hf_greedy, make_hf_model, save_exact_eagle_head, save_feature_eagle_head, tiny_hf_config
-from lora_helpers import ADAPTERS, LoraWorld
+from lora_helpers import ADAPTERS, LoraWorld, save_adapted
 
 NAMES = ["all7_r4", "qv_down_r8"]
 # One layer (the EAGLE head can reproduce it), head dim 64 (every attention backend serves it).
@@ -237,28 +236,6 @@ class MatrixWorld:
             ids, logits = hf_greedy(self.lora.merged[adapter], prompt, self.max_new[index])
             self.references[key] = Reference(ids[len(prompt):], logits[len(prompt) - 1: -1])
         return self.references[key]
-
-
-def save_adapted(base: torch.nn.Module, root: Path, adapters: dict[str, dict]) -> LoraWorld:
-    """Save `base` under root/base and one PEFT adapter per entry of `adapters` (random A and B, moderate
-    deltas) under root/<name>; the LoraWorld holds the base and each adapter merged into a copy.
-    (lora_helpers.make_lora_world draws the same adapters for its Llama.)"""
-    from peft import LoraConfig, get_peft_model
-
-    base_dir = root / "base"
-    base.save_pretrained(base_dir, safe_serialization=True)
-    world = LoraWorld(base_dir, {}, {None: base})
-    for i, (name, cfg) in enumerate(adapters.items()):
-        torch.manual_seed(100 + i)
-        peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, **cfg))
-        with torch.no_grad():  # moderate deltas: visible in the logits, no saturation
-            for pname, param in peft_model.named_parameters():
-                if "lora_" in pname:
-                    param.copy_(0.3 * torch.randn_like(param) / param.shape[-1] ** 0.5)
-        world.adapter_dirs[name] = root / name
-        peft_model.save_pretrained(world.adapter_dirs[name])
-        world.merged[name] = peft_model.merge_and_unload().eval()
-    return world
 
 
 def make_world(root: Path, model: str = "llama") -> MatrixWorld:

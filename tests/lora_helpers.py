@@ -40,9 +40,15 @@ class LoraWorld:
 
 
 def make_lora_world(root: Path, adapters: dict[str, dict] = ADAPTERS, **config_overrides) -> LoraWorld:
+    return save_adapted(make_hf_model(tiny_hf_config("LlamaForCausalLM", **config_overrides), seed=0), root, adapters)
+
+
+def save_adapted(base: torch.nn.Module, root: Path, adapters: dict[str, dict]) -> LoraWorld:
+    """Save `base` under root/base and one PEFT adapter per entry of `adapters` (random A and B, moderate
+    deltas) under root/<name>; the LoraWorld holds the base and each adapter merged into a copy.
+    (make_lora_world draws them for a tiny Llama.)"""
     from peft import LoraConfig, get_peft_model
 
-    base = make_hf_model(tiny_hf_config("LlamaForCausalLM", **config_overrides), seed=0)
     base_dir = root / "base"
     base.save_pretrained(base_dir, safe_serialization=True)
     world = LoraWorld(base_dir, {}, {None: base})
