@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from backplane.testing import cold_graph_us
 from backplane.plugins.moe_triton import configs
 from backplane.plugins.moe_triton.configs import Config
 from backplane.plugins.moe_triton.gemm import Launch
@@ -72,28 +72,6 @@ def block_heights(num_tokens: int, shape: Shape) -> list[int]:
     """Heights worth trying: up to four times the pairs an expert gets on average (at least 16)."""
     per_expert = num_tokens * shape.top_k / shape.num_experts
     return [m for m in configs.BLOCK_MS if m == 16 or m <= 4 * per_expert]
-
-
-def cold_us(fn, flush: torch.Tensor, reps: int = 30) -> float:
-    """Median µs of fn() replayed from a CUDA graph, L2 flushed before each replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 class Case:
@@ -162,7 +140,7 @@ def _best(gemm_fn, block_m: int, num_blocks: int, candidates, want: torch.Tensor
         if not torch.allclose(got.float(), want.float(), atol=3e-2, rtol=3e-2):
             print(f"    WRONG result, dropped: block_m {block_m} {launch}", flush=True)
             continue
-        timed.append((cold_us(lambda launch=launch: gemm_fn(block_m, num_blocks, launch), flush), launch))
+        timed.append((cold_graph_us(lambda launch=launch: gemm_fn(block_m, num_blocks, launch), flush), launch))
     return min(timed, key=lambda t: t[0])
 
 
@@ -176,7 +154,7 @@ def tune_case(case: Case, full: bool, flush: torch.Tensor) -> tuple[Config, floa
             blocks = case.layout(config.block_m)
             case.gate_up(config.block_m, blocks, config.gate_up)
             case.down(config.block_m, blocks, config.down)
-        return cold_us(run, flush)
+        return cold_graph_us(run, flush)
 
     blocks = case.layout(default.block_m)  # the reference rows: layout-independent, indexed by pair
     want_h = case.gate_up(default.block_m, blocks, default.gate_up).clone()

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import triton
 
+from backplane.testing import cold_graph_us
 from backplane.plugins.quant_fp8 import cuda
 from backplane.plugins.quant_fp8 import quantize as fq
 from backplane.plugins.quant_fp8.kernels import Launch, block_m_for, block_matmul, channel_matmul, new_counters
@@ -67,28 +67,6 @@ def launches(kernel: str, m: int, n: int, k: int, num_sms: int, full: bool):
         yield Launch(block_n, block_k, split, warps, stages, fuse)
 
 
-def cold_us(fn, flush: torch.Tensor, reps: int = 25) -> float:
-    """Median µs of fn() replayed from a CUDA graph, L2 flushed before each replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 class Case:
     """One GEMM to tune: a random FP8 weight [N, K] with its scales, bf16 x [M, K], the counters."""
 
@@ -116,7 +94,7 @@ def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict
     kernel, n, k, _ = case.key
     default = cuda.default_launch(case.key, case.m, 2, num_sms)
     want = case.run(default).float()
-    timed = [(cold_us(lambda: case.run(default), flush), default)]
+    timed = [(cold_graph_us(lambda: case.run(default), flush), default)]
     for launch in launches(kernel, case.m, n, k, num_sms, full):
         try:
             got = case.run(launch).float()
@@ -126,12 +104,12 @@ def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict
         if not torch.allclose(got, want, atol=2e-2, rtol=2e-2):
             print(f"    WRONG result, dropped: {launch}", flush=True)
             continue
-        timed.append((cold_us(lambda launch=launch: case.run(launch), flush), launch))
+        timed.append((cold_graph_us(lambda launch=launch: case.run(launch), flush), launch))
     us, best = min(timed, key=lambda t: t[0])
     timings = {"us": round(us, 2), "default_us": round(timed[0][0], 2)}
     use = "triton"
     if kernel == "channel":
-        timings["scaled_mm_us"] = round(cold_us(case.scaled_mm, flush), 2)
+        timings["scaled_mm_us"] = round(cold_graph_us(case.scaled_mm, flush), 2)
         use = "scaled_mm" if timings["scaled_mm_us"] < us else "triton"
     return cuda.entry(case.key, case.m, use, best, **timings)
 
