@@ -48,7 +48,7 @@ CELLS = (
     + [Cell("torch_native", "torch_native", "torch_native", "ngram", graphs=True)]
     + [Cell("torch_native", "torch_native", None, "ngram", graphs=True, extend_graphs=False)]
     + [Cell("torch_native", "torch_native", lora, spec, model="gemma2") for lora in LORA[:2] for spec in SPEC]
-    + [Cell("triton", "triton", None, "eagle", model="gemma2")]
+    + [Cell("triton", "triton", None, "ngram", model="gemma2")]
     + [Cell("torch_native", "torch_native", lora, spec, model="qwen3_moe", moe="torch_native")
        for lora in LORA[:2] for spec in SPEC]
     + [Cell("torch_native", "torch_native", "triton", "eagle", model="qwen3_moe", moe="torch_native")]

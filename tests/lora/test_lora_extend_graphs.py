@@ -331,9 +331,10 @@ def check_replayed(graphs) -> None:
     assert any(key.mode is ForwardMode.DECODE for key, _ in graphs.replayed)
 
 
-# The segmented triton path runs in the backend-level ragged test above; in an engine it costs the CPU
-# suite 20 s under the interpreter, so in an engine it runs on the GPU only (test_gpu_extend_graphs_generate_what_disable_extend_graph_does).
-@pytest.mark.parametrize("variant", ["torch_native", "triton-folded"])
+# The triton paths (segmented and folded) run in the backend-level ragged test above; in an engine each
+# costs the CPU suite about 20 s under the interpreter, so in an engine triton runs on the GPU only
+# (test_gpu_extend_graphs_generate_what_disable_extend_graph_does), and the CPU run keeps torch_native.
+@pytest.mark.parametrize("variant", ["torch_native", pytest.param("triton-folded", marks=pytest.mark.gpu)])
 def test_extend_graphs_generate_what_the_eager_engine_does(world, variant, monkeypatch):
     backend = variant.split("-")[0]
     if backend == "triton" and not interpreted():
