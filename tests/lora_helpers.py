@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from backplane.engine.batch_builder import build_decode_batch, build_extend_batch
-from backplane.engine.request import Req
-from backplane.engine.sampling_params import SamplingParams
+from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
+from backplane.scheduler.request import Req
+from backplane.scheduler.sampling_params import SamplingParams
 from backplane.contracts.batch import ForwardMode
 from backplane.executor.graph_runner import GraphRunner, pad_into
 from backplane.contracts.model import ModelOutput

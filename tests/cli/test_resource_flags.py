@@ -10,7 +10,7 @@ import pytest
 
 from backplane.cli import main
 from backplane.engine import Engine
-from backplane.engine.request import RequestOutput
+from backplane.scheduler.request import RequestOutput
 
 TINY = ["--model", "tiny-llama", "--device", "cpu", "--attention-backend", "torch_native"]
 GEN = ["generate", *TINY, "--max-new-tokens", "2", "--input-ids", "5,6"]

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from backplane.engine.prefix_cache import PrefixCache
-from backplane.engine.request import Req
-from backplane.engine.sampling_params import SamplingParams
+from backplane.scheduler.request import Req
+from backplane.scheduler.sampling_params import SamplingParams
 from backplane.engine.scheduler import Scheduler
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.contracts.model import ModelOutput
