@@ -113,7 +113,12 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP on the post-attention-normed hidden states; a family whose MLP is another
+        module (a mixture of experts under its checkpoint's name) overrides this."""
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):

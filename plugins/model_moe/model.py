@@ -27,14 +27,15 @@ from backplane.contracts import ForwardBatch
 from backplane.layers import FusedMoE, LogitsProcessor, ParallelLMHead, RMSNorm
 from backplane.layers import expert_params_mapping
 from backplane.models import STACKED_PARAMS, ModelContext, ModelOutput, llama_checkpoint_shapes, load_named_weights
-from backplane.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from backplane.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
-class MoeDecoderLayer(nn.Module):
-    """Pre-norm attention, then the layer's MoE block (or dense MLP), each with a residual add."""
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm decoder layer whose MLP is the layer's MoE block (or a dense MLP), kept under
+    the checkpoint's module name (`block_sparse_moe` for Mixtral, `mlp` for Qwen)."""
 
     def __init__(self, config, layer_id: int, ctx: ModelContext, family: type[MoeForCausalLM]):
-        super().__init__()
+        nn.Module.__init__(self)  # not LlamaDecoderLayer's: it would build a dense MLP every layer
         self.self_attn = LlamaAttention(config, layer_id, ctx, family.qkv_bias_of(config), family.qk_norm)
         self.mlp_name = family.mlp_name
         if family.is_sparse(config, layer_id):
@@ -44,15 +45,8 @@ class MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, ctx.dtype)
 
-    def forward(self, positions, hidden, residual, batch: ForwardBatch):
-        """hidden, residual: [T, hidden_size] (residual None on the first layer) -> (hidden, residual)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.mlp_name)(hidden)
 
 
 class MoeForCausalLM(nn.Module):
