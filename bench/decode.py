@@ -29,9 +29,12 @@ VARIANTS = {  # name -> the Engine settings that differ from the default engine
     "compiled": {"enable_torch_compile": True},
     "tensor-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "true"}}},
     "cuda-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "false"}}},
+    "fp8": {"quantization": "fp8"},  # the bf16 checkpoint quantized at load: per-channel weights, per-token acts
+    "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
 }
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("variant", "variant", ""), ("bs", "batch_size", "d"),
            ("peer ms", "peer_ms", ".3f"), ("engine ms", "engine_ms", ".3f"), ("engine/peer", "ratio", ".2f"),
+           ("/first variant", "vs_first", ".2f"),
            ("replay ms", "replay_ms", ".3f"), ("replay/floor", "replay_floor", ".2f"),
            ("step/floor", "step_floor", ".2f")]
 PROFILE_COLUMNS = COLUMNS[:4] + [("wall ms", "wall_ms", ".3f"), ("kernels ms", "kernel_ms", ".3f"),
@@ -49,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the variants (medians)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel engines (the peer runs on one GPU)")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
+    p.add_argument("--no-peer", action="store_true", help="variants against each other only (no peer loop)")
     p.add_argument("--profile", type=int, nargs="*", default=[], metavar="BS", help="profile a step at these sizes")
     return p.parse_args(argv)
 
@@ -67,6 +71,9 @@ def measure_engines(ns: argparse.Namespace, engines: dict[str, Engine], tb_s: fl
                                 lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
     rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms) | {"variant": v, "floor_ms": floor}
             for (v, bs), ms in samples.items()]
+    first = {r["batch_size"]: r["engine_ms"] for r in rows if r["variant"] == ns.variants[0]}
+    for row in rows:  # each variant's step over the first variant's, same batch size, same rounds
+        row["vs_first"] = row["engine_ms"] / first[row["batch_size"]]
     return rows, {v: steps.graph_capture(e) for v, e in engines.items()}
 
 
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows += [r | {"model": model, "backend": backend} for r in backend_rows]
             payload = {"args": vars(ns), "copy_tb_s": tb_s, "captures": captures, "rows": rows}
             report.write_result("decode", model, payload, ns.out, ns.device)  # a run cut short keeps these
-        add_peer(ns, model, rows)
+        if not ns.no_peer:
+            add_peer(ns, model, rows)
         report.write_result("decode", model, payload, ns.out, ns.device)
         all_rows += rows
     profiles = [r | r["profile"] for r in all_rows if r.get("profile")]

@@ -109,6 +109,10 @@ GROUPS: dict[str, list[Job]] = {
     "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
                                   "--budget", "420"))],
     "moe-decode": [bench("moe-decode", "moe_decode")],  # one process: engine and peer share the ~61 GB of weights
+    "quant-decode": [bench("quant-decode-8b", "decode --models llama-3.1-8b --backends triton --variants overlap fp8 "
+                           "--batch-sizes 1 32 --rounds 3 --no-peer"),
+                     bench("fp8-kv-8b", "decode --models llama-3.1-8b --backends triton flashinfer --variants overlap "
+                           "fp8-kv --batch-sizes 8 --context 16384 --steps 32 --rounds 3 --no-peer")],
     "quant-kernels": [tests("quant-tests", "tests/plugins/quant_fp8"), bench("quant-kernels", "quant_kernels")],
     "quant-tune": [Job("quant-tune", ("-m", "backplane.plugins.quant_fp8.tune", "--out", "{out}/quant_fp8_configs.json",
                                       "--budget", "420"))],
