@@ -35,7 +35,6 @@ import triton.language as tl
 
 from backplane.plugins.quant_fp8 import quantize as fq
 
-IMPRECISE_ACC: tl.constexpr = tl.constexpr(32)  # FP8 products summed in the MMA before each promotion to fp32
 
 FP8_MAX = tl.constexpr(fq.FP8_MAX)
 FP8_MAX_RECIPROCAL = tl.constexpr(float(torch.tensor(1.0 / fq.FP8_MAX, dtype=torch.float32)))
@@ -227,10 +226,12 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
             b = tl.load(w_rows + k[:, None])  # [BLOCK_K, BLOCK_N]
         else:
             b = tl.load(w_rows + k[:, None], mask=k[:, None] < K, other=0.0)
-        # Hopper's FP8 wgmma (64-row tiles) accumulates in reduced precision unless told to promote:
-        # without max_num_imprecise_acc, 64-row tiles were off by up to 0.066 at K = 4096 on an H100
-        # while 16- and 32-row tiles (mma) and the block kernel (promoted per K block) were exact.
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
+        # Hopper's FP8 wgmma (64-row tiles) accumulates in reduced precision: accumulating into `acc`
+        # across K left 64-row tiles off by up to 0.066 at K = 4096 on an H100, while 16- and 32-row
+        # tiles (mma) and the block kernel (a fresh dot per K block) were exact. So each K block's
+        # dot starts from zero and is added in fp32. (max_num_imprecise_acc=32 failed to compile for
+        # 64 x 256 tiles with triton 3.6: "Cannot use F32 as the accumulator ... less than 32".)
+        acc += tl.dot(a, b)
     sw = tl.load(sw_ptr + rn_in * stride_sw)
     acc = acc * sx[:, None] * sw[None, :]
     _store_result(acc, bias_ptr, y_ptr, ws_ptr, counters_ptr, rm, rn, M, N, stride_ym, pid_k, split_k,
