@@ -24,7 +24,7 @@ from bench import report, steps
 from bench.timing import MATMUL_PEAK_FLOP_S, copy_tb_s
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
-COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("cache", "cache", ""),
+COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("quant", "quantization", ""), ("cache", "cache", ""),
            ("extend graph", "extend_graph", ""), ("tok/s", "tok_s", ".0f"),
            ("TPOT ms", "tpot_ms", ".2f"), ("TTFT ms", "ttft_ms", ".0f"), ("prefill tokens", "prefill_tokens", "d"),
            ("floor tok/s", "floor_tok_s", ".0f"), ("of floor", "of_floor", ".0%"), ("runs s", "runs", "")]
@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", nargs="+", choices=["on", "off"], default=["on"], help="radix cache settings, each an engine")
     p.add_argument("--extend-graph", nargs="+", choices=["on", "off"], default=["on"],
                    help="extend (prefill) CUDA graphs on or off (--disable-extend-graph), each an engine")
+    p.add_argument("--quantization", nargs="+", default=["none"], help="--quantization of each engine (none, fp8, ...)")
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"],
                    choices=["fixed", "sharegpt-like", "shared-prefix", "distinct"])
     p.add_argument("--requests", type=int, default=256)
@@ -100,14 +101,16 @@ def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float)
             "graphs_cover_batch": graphs is not None and max(graphs.sizes) >= min(len(batch), ns.max_running)}
 
 
-def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float, extend_graph: str = "on") -> list[dict]:
+def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float, extend_graph: str = "on",
+               quantization: str = "none") -> list[dict]:
     # Graphs up to the running batch: past --cuda-graph-max-bs (160 by default) a decode step runs
     # eagerly, which on a small model costs several times the replayed step.
     settings = dict(model=ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
                     cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off",
-                    disable_extend_graph=extend_graph == "off")
+                    disable_extend_graph=extend_graph == "off", quantization=quantization)
     rows = steps.with_engine(settings, lambda engine: [run_workload(ns, engine, kind, tb_s) for kind in ns.workloads])
-    return [r | {"backend": backend, "cache": cache, "extend_graph": extend_graph} for r in rows]
+    return [r | {"backend": backend, "cache": cache, "extend_graph": extend_graph, "quantization": quantization}
+            for r in rows]
 
 
 def gains(rows: list[dict], setting: str) -> list[str]:
@@ -120,17 +123,26 @@ def gains(rows: list[dict], setting: str) -> list[str]:
             for (w, b, o, c), r in by.items() if c == "off" and (w, b, o, "on") in by]
 
 
+def quant_gains(rows: list[dict], base: str) -> list[str]:
+    """Per workload, backend, cache and extend-graph setting: each other --quantization's tokens/s over `base`'s."""
+    key = lambda r: (r["workload"], r["backend"], r["cache"], r["extend_graph"])  # noqa: E731
+    first = {key(r): r for r in rows if r["quantization"] == base}
+    return [f"{r['workload']} {r['backend']}: {r['quantization']} / {base} = {r['tok_s'] / first[key(r)]['tok_s']:.2f}x tok/s"
+            for r in rows if r["quantization"] != base and key(r) in first]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ns = parse_args(argv)
     tb_s, rows = copy_tb_s(ns.device), []
     for backend in ns.backends:
         for cache in ns.cache:
             for extend_graph in ns.extend_graph:
-                rows += run_engine(ns, backend, cache, tb_s, extend_graph)
-                payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
-                report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
+                for quant in ns.quantization:
+                    rows += run_engine(ns, backend, cache, tb_s, extend_graph, quant)
+                    payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
+                    report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
     print(report.table(sorted(rows, key=lambda r: r["workload"]), COLUMNS, f"{ns.model}, copy {tb_s:.2f} TB/s"))
-    print("\n".join(gains(rows, "cache") + gains(rows, "extend_graph")))
+    print("\n".join(gains(rows, "cache") + gains(rows, "extend_graph") + quant_gains(rows, ns.quantization[0])))
     return rows
 
 

@@ -23,9 +23,9 @@ from bench import peer, report, steps
 from bench.timing import MATMUL_PEAK_FLOP_S
 from bench.workload import model_sizes, prompts
 
-COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("bs", "batch_size", "d"), ("length", "length", "d"),
+COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("quant", "quantization", ""), ("bs", "batch_size", "d"), ("length", "length", "d"),
            ("peer ms", "peer_ms", ".2f"), ("engine ms", "engine_ms", ".2f"), ("engine/peer", "ratio", ".2f"),
-           ("floor ms", "floor_ms", ".2f"), ("engine/floor", "of_floor", ".2f")]
+           ("floor ms", "floor_ms", ".2f"), ("engine/floor", "of_floor", ".2f"), ("x first quant", "speedup", ".2f")]
 PROBE_COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("prefix", "prefix", "d"), ("suffix", "suffix", "d"),
                  ("uncached ms", "uncached_ms", ".1f"), ("cached ms", "cached_ms", ".1f"), ("floor ms", "floor_ms", ".1f"),
                  ("cached/uncached", "ratio", ".2f"), ("above floor", "ratio_above_floor", ".2f")]
@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probe", type=int, nargs=2, default=(2048, 128), metavar=("PREFIX", "SUFFIX"),
                    help="the cached-prefix probe's lengths (0 0: no probe)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quantization", nargs="+", default=["none"], help="--quantization of each engine (none, fp8, ...)")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
     ns = p.parse_args(argv)
     ns.cases = [tuple(int(n) for n in case.split("x")) for case in ns.cases]
@@ -86,10 +87,10 @@ def cached_probe(engine: Engine, prefix: int, suffix: int, repeats: int) -> dict
             "ratio": cac / unc, "ratio_above_floor": (cac - flo) / (unc - flo) if unc > flo else None}
 
 
-def engine_settings(ns: argparse.Namespace, model: str, backend: str) -> dict:
+def engine_settings(ns: argparse.Namespace, model: str, backend: str, quantization: str = "none") -> dict:
     longest = max(bs * n for bs, n in ns.cases + [(1, sum(ns.probe))])
     return dict(model=model, device=ns.device, attention_backend=backend, max_running_requests=max(bs for bs, _ in ns.cases),
-                max_total_tokens=2 * longest + 4096, chunked_prefill_size=max(8192, longest))
+                max_total_tokens=2 * longest + 4096, chunked_prefill_size=max(8192, longest), quantization=quantization)
 
 
 def measure_engine(ns: argparse.Namespace, engine: Engine) -> tuple[list[dict], dict | None]:
@@ -107,14 +108,21 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     for model in ns.models:
         rows = []
         for backend in ns.backends:
-            backend_rows, probe = steps.with_engine(engine_settings(ns, model, backend), lambda e: measure_engine(ns, e))
-            rows += [r | {"model": model, "backend": backend} for r in backend_rows]
-            probes += [probe | {"model": model, "backend": backend}] if probe else []
+            for quant in ns.quantization:
+                backend_rows, probe = steps.with_engine(engine_settings(ns, model, backend, quant),
+                                                        lambda e: measure_engine(ns, e))
+                tags = {"model": model, "backend": backend, "quantization": quant}
+                rows += [r | tags for r in backend_rows]
+                probes += [probe | tags] if probe else []
         peers = {case: peer.prefill_ms(get_preset(model), *case, torch.device(ns.device), not ns.no_compile, ns.repeats)
                  for case in ns.cases}  # after the engines are gone: both never hold memory at once
         for row in rows:
             row["peer_ms"] = peers[(row["batch_size"], row["length"])]
         report.add_ratios(rows, {"ratio": ("engine_ms", "peer_ms"), "of_floor": ("engine_ms", "floor_ms")})
+        first = {(r["backend"], r["batch_size"], r["length"]): r["engine_ms"] for r in rows
+                 if r["quantization"] == ns.quantization[0]}
+        for row in rows:  # throughput over the first --quantization's (same tokens): its time / this time
+            row["speedup"] = first[(row["backend"], row["batch_size"], row["length"])] / row["engine_ms"]
         payload = {"args": vars(ns), "rows": rows, "cached_probe": [p for p in probes if p["model"] == model]}
         report.write_result("prefill", model, payload, ns.out, ns.device)
         all_rows += rows

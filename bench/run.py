@@ -113,6 +113,10 @@ GROUPS: dict[str, list[Job]] = {
                            "--batch-sizes 1 32 --rounds 3 --no-peer"),
                      bench("fp8-kv-8b", "decode --models llama-3.1-8b --backends triton flashinfer --variants overlap "
                            "fp8-kv --batch-sizes 8 --context 16384 --steps 32 --rounds 3 --no-peer")],
+    "quant-prefill": [bench("quant-prefill-8b", "prefill --models llama-3.1-8b --backends triton --cases 4x2048 1x512 "
+                            "--probe 0 0 --repeats 3 --quantization none fp8")],
+    "quant-e2e": [bench("quant-e2e-8b", "e2e --model llama-3.1-8b --backends triton --workloads fixed "
+                        "--quantization none fp8")],
     "quant-kernels": [tests("quant-tests", "tests/plugins/quant_fp8"), bench("quant-kernels", "quant_kernels")],
     "quant-tune": [Job("quant-tune", ("-m", "backplane.plugins.quant_fp8.tune", "--out", "{out}/quant_fp8_configs.json",
                                       "--budget", "420"))],
