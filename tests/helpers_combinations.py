@@ -5,25 +5,33 @@ A `Cell` is one combination: the model (a tiny Llama by default; `MODELS` has a 
 sliding-window layers interleaved with global ones and attention and final logit soft-caps, and a
 Qwen3-MoE with 8 experts, top 2), prefill and decode attention backends, LoRA backend (or none),
 speculative algorithm (or none), torch.compile, CUDA graphs, with graphs whether EXTEND is
-captured too (extend graphs, off with --disable-extend-graph), and for a MoE model the MoE backend
-(--moe-backend, auto when unset). `run_cell` builds an Engine for it and generates greedily for one
+captured too (extend graphs, off with --disable-extend-graph), for a MoE model the MoE backend
+(--moe-backend, auto when unset), and the quantization (`QUANTS`: none, "fp8" = the checkpoint
+quantized online per channel by quant_fp8, "fp8-block" = a block-wise FP8 checkpoint of the world's
+model, "fp8-kv" = an FP8 KV cache). `run_cell` builds an Engine for it and generates greedily for one
 mixed batch of the model's world (two adapters and base requests of different lengths and output
 lengths; six or seven requests, so a batch pads up to a captured size of 8), then compares every
 request with the fp32 Hugging Face reference (the PEFT-merged model for an adapter's requests).
 A divergence passes only as a near-tie (`TieRule`): at the first differing token the reference's
 logit of its own choice exceeds that of the engine's choice by at most a fraction of the logits'
 standard deviation (so the reference's top two are that close); otherwise every token must be
-equal. A cell whose Engine refuses the combination at startup (ValueError) is recorded as refused
-with that message, which must be one line naming the flags.
+equal. The reference of an FP8-weight cell is the fp32 model with the dequantized FP8 weights whose
+quantized linears see their input quantized as quant_fp8 quantizes it (`quantized_world`); an fp8-kv
+cell is compared with the plain reference; the FP8 tie rules are FP8_TIES and FP8_KV_TIES. A cell
+whose Engine refuses the combination at startup (ValueError) is recorded as refused with that
+message, which must be one line naming the flags.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import gc
 import itertools
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,8 +42,13 @@ import torch
 
 from backplane import Engine, SamplingParams
 from backplane.ops import opaque
+from backplane.plugins.quant_fp8.reference import dequantized_input
+from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 from helpers_models import hf_greedy, make_hf_model, save_exact_eagle_head, save_feature_eagle_head, tiny_hf_config
 from lora_helpers import ADAPTERS, LoraWorld, save_adapted
+
+sys.path.insert(0, str(Path(__file__).parent / "plugins" / "quant_fp8"))
+import fp8_checkpoints  # noqa: E402
 
 NAMES = ["all7_r4", "qv_down_r8"]
 # One layer (the EAGLE head can reproduce it), head dim 64 (every attention backend serves it).
@@ -55,6 +68,16 @@ SPECS = {
                   speculative_num_draft_tokens=4),
 }
 SUMMARY_ENV = "BACKPLANE_MATRIX_OUT"
+# The quantization axis: None (the model dtype), "fp8" (--quantization fp8 of the world's checkpoint:
+# per-channel weight scales, dynamic per-token activations), "fp8-block" (a block-wise FP8
+# checkpoint: FP8_BLOCK weight blocks, dynamic 1 x FP8_BLOCK[1] activation groups), "fp8-kv"
+# (--kv-cache-dtype fp8_e4m3, no checkpoint scales: 1.0 for every layer).
+QUANTS = (None, "fp8", "fp8-block", "fp8-kv")
+WEIGHT_QUANTS = ("fp8", "fp8-block")
+# NOTE: 64 x 64, not fp8_checkpoints' 16 x 16: Triton's FP8 dot on CUDA needs K >= 32, so a
+# 16-column block cannot run on the GPU. Both divide every projection of MODEL_SHAPE (K 128 and 192;
+# fused parts 128, 64, 64 and 192, 192), so no block straddles two fused parts.
+FP8_BLOCK = (64, 64)
 
 
 @dataclass(frozen=True)
@@ -129,7 +152,7 @@ MODELS = {
 @dataclass(frozen=True)
 class Cell:
     """One plugin combination. lora / spec None: without adapters / speculation; moe: a MoE model's
-    --moe-backend (None: auto)."""
+    --moe-backend (None: auto); quant: one of QUANTS (None: unquantized)."""
 
     prefill: str
     decode: str
@@ -140,22 +163,27 @@ class Cell:
     extend_graphs: bool = True  # False: --disable-extend-graph (only decode-like modes captured)
     model: str = "llama"
     moe: str | None = None
+    quant: str | None = None
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"Cell model {self.model!r}: expected one of {sorted(MODELS)}")
         if self.moe is not None and not MODELS[self.model].moe:
             raise ValueError(f"Cell moe {self.moe!r}: model {self.model!r} has no experts")
+        if self.quant not in QUANTS:
+            raise ValueError(f"Cell quant {self.quant!r}: expected one of {QUANTS}")
 
     @property
     def label(self) -> str:
-        """The cell's name in results; a Llama cell's has no model (older result files still match)."""
+        """The cell's name in results; a Llama cell's has no model and an unquantized cell's no quant
+        (older result files still match)."""
         attn = self.prefill if self.prefill == self.decode else f"{self.prefill}+{self.decode}"
         return (("" if self.model == "llama" else f"model={self.model} ")
                 + f"attn={attn} lora={self.lora or 'none'} spec={self.spec or 'none'} "
                 f"compile={'on' if self.compile else 'off'} graphs={'on' if self.graphs else 'off'}"
                 + ("" if self.extend_graphs else " extend-graphs=off")
-                + (f" moe={self.moe or 'auto'}" if MODELS[self.model].moe else ""))
+                + (f" moe={self.moe or 'auto'}" if MODELS[self.model].moe else "")
+                + (f" quant={self.quant}" if self.quant else ""))
 
     @property
     def test_id(self) -> str:
@@ -168,6 +196,10 @@ class Cell:
                         disable_cuda_graph=not self.graphs, disable_extend_graph=not self.extend_graphs)
         if self.moe:
             kw["moe_backend"] = self.moe
+        if self.quant == "fp8":
+            kw["quantization"] = "fp8"  # "fp8-block": the variant's checkpoint says so (--quantization auto)
+        if self.quant == "fp8-kv":
+            kw["kv_cache_dtype"] = "fp8_e4m3"
         if self.lora:
             kw.update(lora_paths=world.lora.lora_paths(), lora_backend=self.lora, max_loras_per_batch=2)
         if self.spec:
@@ -209,6 +241,27 @@ class TieRule:
     most_diverged: float = 1.0
 
 
+# The FP8 tie rules, calibrated on CPU against the Llama world (783 teacher-forced positions of 67
+# prompts; the margin of a flip: the reference's best logit over its logit of the engine's token, in
+# the reference logits' std). An FP8 rounding moves a value by up to 2^-4 of itself, and a different
+# rounding of one activation moves the next layer's inputs enough to round others differently, so
+# the noise does not stay small where the engine computes in a narrower dtype than the reference:
+# - FP8 weights (FP8_TIES, for a float16 engine: the GPU matrix). Against the dequantized-weight,
+#   quantized-input reference (`quantized_world`), an fp32 engine is exact (TIES of 1e-3 holds, and
+#   the CPU cells use it), but a float16 one flips the top token at 8-9% of positions, at margins up
+#   to 0.22 (online, per channel) and 0.27 (64 x 64 blocks), the engine's token down to the
+#   reference's fifth. So a divergence passes under 0.45 std (the largest margin and half again,
+#   rounded up), at any rank. (A bfloat16 engine flips at up to 0.37; the Llama cells run in float16.)
+#   Planted errors (tests/test_combinations.py) diverge by more: o_proj's block scales doubled at 0.68
+#   and 0.98 of the std, online scales 1.25 times too large at 0.79.
+# - FP8 KV cache (FP8_KV_TIES): compared with the plain reference (there is no transformers cache to
+#   round), the cache's rounding flips the top token at 6-7% of positions, at margins up to 0.21 for
+#   fp32, float16 and bfloat16 engines alike (the cache's rounding dominates): 0.35 std (half again,
+#   rounded up), at any rank. A saturating K scale (planted) diverges at 0.47, 0.36 and 0.93.
+FP8_TIES = TieRule(0.45)
+FP8_KV_TIES = TieRule(0.35)
+
+
 @dataclass
 class Reference:
     """The fp32 reference of one request: greedy tokens and the logits each was chosen from."""
@@ -220,7 +273,9 @@ class Reference:
 @dataclass
 class MatrixWorld:
     """One model's saved checkpoint, its two adapters, the EAGLE head, its mixed batch (prompts,
-    output lengths, adapter per request), and the references (computed once per (request, adapter))."""
+    output lengths, adapter per request), and the references (computed once per (request, adapter)).
+    lora.base_dir is the checkpoint the engine loads and lora.merged each adapter's reference model.
+    quant: the weights' quantization of a variant (`variant`), None for the world as saved."""
 
     lora: LoraWorld
     eagle_head: str
@@ -228,6 +283,20 @@ class MatrixWorld:
     max_new: list[int] = field(default_factory=lambda: list(MAX_NEW))
     mixed: list[str | None] = field(default_factory=lambda: list(MIXED))
     references: dict[tuple[int, str | None], Reference] = field(default_factory=dict)
+    quant: str | None = None
+    variants: dict[str, MatrixWorld] = field(default_factory=dict, repr=False)
+
+    def variant(self, quant: str | None) -> MatrixWorld:
+        """The world a cell of quantization `quant` runs in: this one (unquantized weights, fp8-kv
+        included), or its FP8-weight variant, made on first use (`quantized_world`)."""
+        weights = quant if quant in WEIGHT_QUANTS else None
+        if weights == self.quant:
+            return self
+        if self.quant is not None:
+            raise ValueError(f"MatrixWorld.variant({quant!r}) of the {self.quant} variant: expected the world as saved")
+        if weights not in self.variants:
+            self.variants[weights] = quantized_world(self, weights)
+        return self.variants[weights]
 
     def reference(self, index: int, adapter: str | None) -> Reference:
         key = (index, adapter)
@@ -257,6 +326,66 @@ def make_world(root: Path, model: str = "llama") -> MatrixWorld:
         world.max_new.append(8)
         world.mixed.append(first)
     return world
+
+
+def quantized_world(world: MatrixWorld, quant: str) -> MatrixWorld:
+    """`world` with FP8 weights (`quant` "fp8" or "fp8-block"): the checkpoint the engine loads (the
+    world's own for "fp8", quantized online per channel; a block-wise FP8 checkpoint written beside it
+    for "fp8-block") and each adapter's reference: the fp32 model with every projection's dequantized
+    FP8 weight, whose input is quantized and dequantized as the FP8 matmul quantizes it, under the
+    adapter (PEFT, not merged: its LoRA delta reads the unquantized input, as over the FP8 base).
+
+    NOTE: without the input quantization the reference would be off by the activations' FP8 rounding:
+    for an fp32 engine a different top token at 12% of positions, at margins up to 0.41 of the
+    logits' std (measured on CPU), a tie rule so wide that a wrong weight scale could pass. With it,
+    an fp32 engine equals this reference to fp32 rounding."""
+    base = world.lora.merged[None]
+    if quant == "fp8":
+        model_dir, scheme = world.lora.base_dir, Fp8Scheme(weights="channel", activations="token", online=True)
+        state = {name: t.detach() for name, t in base.state_dict().items()}
+        _, dequant = fp8_checkpoints.quantized_state(state, "channel")  # what --quantization fp8 makes
+    else:
+        model_dir = world.lora.base_dir.parent / quant
+        scheme = Fp8Scheme(weights="block", activations="group", block=FP8_BLOCK, scale_name="weight_scale_inv")
+        with _fp8_checkpoint_block(FP8_BLOCK):
+            dequant = fp8_checkpoints.write_fp8_checkpoint(base, model_dir, "block")
+    reference = _fp8_reference(base, dequant, scheme)
+    models = {None: reference, **{name: _with_adapter(reference, path) for name, path in world.lora.adapter_dirs.items()}}
+    return dataclasses.replace(world, lora=LoraWorld(model_dir, world.lora.adapter_dirs, models), references={},
+                               quant=quant, variants={})
+
+
+@contextlib.contextmanager
+def _fp8_checkpoint_block(block: tuple[int, int]):
+    """fp8_checkpoints writes block-wise checkpoints with its module's BLOCK: `block` for one write."""
+    saved, fp8_checkpoints.BLOCK = fp8_checkpoints.BLOCK, block
+    try:
+        yield
+    finally:
+        fp8_checkpoints.BLOCK = saved
+
+
+def _fp8_reference(base: torch.nn.Module, dequant: dict[str, torch.Tensor], scheme: Fp8Scheme) -> torch.nn.Module:
+    """A copy of `base` with `dequant`'s weights (by module name), each of those linears' input seen
+    as quant_fp8's matmul sees it under `scheme` (quantized, then dequantized, in fp32)."""
+    reference = copy.deepcopy(base)
+    modules = dict(reference.named_modules())
+    for name, weight in dequant.items():
+        with torch.no_grad():
+            modules[name].weight.copy_(weight)
+        modules[name].register_forward_pre_hook(lambda _module, args: (_fp8_input(scheme, args[0]),))
+    return reference
+
+
+def _fp8_input(scheme: Fp8Scheme, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])  # [tokens, K]
+    return dequantized_input(scheme, rows, None).reshape(x.shape).to(x.dtype)
+
+
+def _with_adapter(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(model), str(adapter_dir)).eval()
 
 
 class Worlds(dict):
@@ -296,8 +425,10 @@ def _count_opaque_calls(counter: list):
 
 
 def run_cell(world: MatrixWorld, cell: Cell, ties: TieRule, **settings) -> CellResult:
-    """Build the cell's Engine (with `settings`: device, dtype, pool sizes), generate, compare."""
+    """Build the cell's Engine (with `settings`: device, dtype, pool sizes) in the world's variant of
+    the cell's quantization, generate, compare."""
     start, calls, acceptance = time.perf_counter(), [], None
+    world = world.variant(cell.quant)
     adapters = world.mixed if cell.lora else [None] * len(world.prompts)
     try:
         with _count_opaque_calls(calls):
@@ -340,7 +471,7 @@ def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]
     on_gpu = engine.runner.device.type == "cuda"
     if cell.graphs and on_gpu and cell.decode != "torch_native" and engine.runner.graph_runner is None:
         problems.append("graphs on, but no CUDA graph was captured")
-    return problems + _moe_problems(backends.get("moe"), cell, on_gpu)
+    return problems + _moe_problems(backends.get("moe"), cell, on_gpu) + _quant_problems(engine, cell)
 
 
 def _moe_problems(moe: dict | None, cell: Cell, on_gpu: bool) -> list[str]:
@@ -354,6 +485,19 @@ def _moe_problems(moe: dict | None, cell: Cell, on_gpu: bool) -> list[str]:
     if not cell.moe and cell.graphs and on_gpu and moe["backend"] == "torch_native":
         return ["--moe-backend auto chose torch_native (no graph support) with CUDA graphs on"]
     return []
+
+
+def _quant_problems(engine: Engine, cell: Cell) -> list[str]:
+    """The weights and the KV cache are quantized as the cell asks, and only then."""
+    runner, problems = engine.runner, []
+    methods = [m.quant_method for m in runner.model.modules() if getattr(m, "quant_method", None) is not None]
+    schemes = {getattr(getattr(method, "scheme", None), "weights", type(method).__name__) for method in methods}
+    want = {"fp8": {"channel"}, "fp8-block": {"block"}}.get(cell.quant, set())
+    if schemes != want:
+        problems.append(f"FP8 weight schemes {sorted(schemes)}, expected {sorted(want)}")
+    if runner.token_to_kv_pool.is_fp8 != (cell.quant == "fp8-kv"):
+        problems.append(f"KV cache of {runner.token_to_kv_pool.dtype} under quant {cell.quant}")
+    return problems
 
 
 def _count_extend_replays(engine: Engine) -> list[int]:

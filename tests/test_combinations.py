@@ -21,20 +21,35 @@ torch_native, the only CPU MoE backend) get a smaller subset, ~35 s together:
   Qwen3-MoE: LoRA triton (attention projections) with EAGLE, and one torch.compile cell
   (`--moe-backend auto`, through the opaque MoE op). The MoE model's attention is the Llama one, which
   the triton attention cells above cover.
+The quantization axis (tests/helpers_combinations.py QUANTS), Llama only, torch_native attention but
+for one triton cell, ~10 s together with the planted errors: fp8 (online per-channel) without LoRA or
+speculation and with LoRA triton and EAGLE; fp8-block (a 64 x 64 block-wise FP8 checkpoint) with
+LoRA torch_native and ngram; fp8-kv with LoRA torch_native and EAGLE, and on triton attention with
+ngram. An FP8-weight cell must equal the dequantized-weight, quantized-input fp32 reference as
+exactly as an unquantized cell (TIES: the CPU computes in fp32 what the reference computes), an
+fp8-kv cell the plain reference within FP8_KV_TIES; and planted scale errors (a block-wise
+checkpoint's scale, the online quantizer's, a KV cache scale) fail their cell under the GPU's looser
+rules too. No CPU combination of the axis is refused (every one was tried: torch_native and triton
+attention, each LoRA backend and speculative algorithm, compile, graphs asked for).
 Cells failing by a known bug are listed in KNOWN_BUGS (strict xfail: fixed, they fail until removed).
 The full product, graphs and compile with every backend, runs on the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 
 import pytest
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from helpers_combinations import (MODELS, PROMPTS, Cell, CellResult, Reference, TieRule, check, compare,
-                                  compare_all, matrix_fixtures, pairwise, run_cell)
+from backplane.plugins.quant_fp8 import quantize as fq
+from helpers_combinations import (FP8_KV_TIES, FP8_TIES, MODELS, PROMPTS, Cell, CellResult, MatrixWorld, Reference,
+                                  TieRule, check, compare, compare_all, matrix_fixtures, pairwise, run_cell)
+from lora_helpers import LoraWorld
 
 LORA = [None, "torch_native", "triton"]
 SPEC = [None, "ngram", "eagle"]
@@ -53,6 +68,10 @@ CELLS = (
        for lora in LORA[:2] for spec in SPEC]
     + [Cell("torch_native", "torch_native", "triton", "eagle", model="qwen3_moe", moe="torch_native")]
     + [Cell("torch_native", "torch_native", None, "ngram", compile=True, model="qwen3_moe")]
+    + [Cell("torch_native", "torch_native", quant="fp8"), Cell("torch_native", "torch_native", "triton", "eagle", quant="fp8"),
+       Cell("torch_native", "torch_native", "torch_native", "ngram", quant="fp8-block"),
+       Cell("torch_native", "torch_native", "torch_native", "eagle", quant="fp8-kv"),
+       Cell("triton", "triton", None, "ngram", quant="fp8-kv")]
 )
 # NOTE: known bugs, each cell failing deterministically (strict: a fix makes it fail until removed here).
 KNOWN_BUGS: dict[str, str] = {}
@@ -141,11 +160,75 @@ def test_tie_rule_and_refusal_lines():
         check(CellResult("cell", "mismatch", "request 0: token 3 ..."))
 
 
+def test_quant_axis_labels_and_flags():
+    """The axis shows in the label only when set (older labels stay) and reaches the Engine's flags."""
+    assert Cell("triton", "triton").label.endswith("graphs=off")
+    assert Cell("triton", "triton", quant="fp8-block").test_id.endswith("graphs:off-quant:fp8-block")
+    assert Cell("triton", "triton", quant="fp8").engine_kwargs(None)["quantization"] == "fp8"
+    assert Cell("triton", "triton", quant="fp8-kv").engine_kwargs(None)["kv_cache_dtype"] == "fp8_e4m3"
+    assert not {"quantization", "kv_cache_dtype"} & set(Cell("triton", "triton", quant="fp8-block").engine_kwargs(None))
+    with pytest.raises(ValueError, match="expected one of"):
+        Cell("triton", "triton", quant="int4")
+
+
+def _planted(world: MatrixWorld, quant: str | None, root, change) -> MatrixWorld:
+    """`world`'s `quant` variant loading a copy of its checkpoint whose tensors `change` altered (in
+    place, by name), compared with the variant's own (right) references."""
+    variant = world.variant(quant)
+    path = root / f"planted-{quant or 'none'}"
+    shutil.copytree(variant.lora.base_dir, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return dataclasses.replace(variant, lora=LoraWorld(path, variant.lora.adapter_dirs, variant.lora.merged))
+
+
+def _mismatch(world: MatrixWorld, cell: Cell, rule: TieRule) -> str:
+    """The cell's mismatch message under `rule` (a GPU rule: looser than the CPU's TIES, so a cell
+    failing it fails TIES too); an assertion error if the cell passed."""
+    result = run_cell(world, cell, rule, **SETTINGS)
+    assert result.status == "mismatch", f"{cell.label}: the planted error passed: {result.status} {result.ties}"
+    return result.message
+
+
+def test_a_wrong_block_scale_fails_its_cell(worlds, tmp_path):
+    """A block-wise checkpoint whose o_proj scales are doubled (every other scale right)
+    diverges from the dequantized reference beyond the CPU's rule and the GPU's FP8 rule."""
+    def double(tensors):
+        tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] *= 2
+
+    planted = _planted(worlds["llama"], "fp8-block", tmp_path, double)
+    assert f"tie limit {FP8_TIES.fraction}" in _mismatch(planted, Cell("torch_native", "torch_native", quant="fp8-block"),
+                                                           FP8_TIES)
+
+
+def test_a_wrong_online_scale_fails_its_cell(worlds, monkeypatch):
+    """--quantization fp8 whose per-channel scales come out 1.25 times too large."""
+    world = worlds["llama"]
+    world.variant("fp8")  # the reference, quantized right before the quantizer goes wrong
+    right = fq.quantize_weight_per_channel
+
+    def wrong(w):
+        q, scale = right(w)
+        return q, scale * 1.25
+
+    monkeypatch.setattr(fq, "quantize_weight_per_channel", wrong)
+    assert f"tie limit {FP8_TIES.fraction}" in _mismatch(world, Cell("torch_native", "torch_native", quant="fp8"), FP8_TIES)
+
+
+def test_a_wrong_kv_scale_fails_its_cell(worlds, tmp_path):
+    """An FP8 KV cache whose layer-0 K scale (read from the checkpoint) is 1/500: keys saturate."""
+    world = worlds["llama"]
+    planted = _planted(world, None, tmp_path, lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.002)}))
+    assert f"tie limit {FP8_KV_TIES.fraction}" in _mismatch(planted, Cell("torch_native", "torch_native", quant="fp8-kv"),
+                                                              FP8_KV_TIES)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run of Triton needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("cell", [
     pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_BUGS[c.label], strict=True)) if c.label in KNOWN_BUGS else c
     for c in CELLS], ids=lambda c: c.test_id)
 def test_cell(worlds, results, cell):
-    result = run_cell(worlds[cell.model], cell, TIES, **SETTINGS)
+    result = run_cell(worlds[cell.model], cell, FP8_KV_TIES if cell.quant == "fp8-kv" else TIES, **SETTINGS)
     results.append(result)
     check(result)

@@ -21,7 +21,16 @@ torch_native (no splits), CUDA graphs off / on with extend graphs:
   attention projections); and `--moe-backend torch_native` twice with graphs off (it runs) and once
   with graphs on (refused in one line at startup, as expected). Its divergences follow the MoE
   near-tie rule (MOE_TIES), not the dense one.
-BACKPLANE_MATRIX_MODELS=llama,gemma2 keeps the cells of those models only (default: every model).
+The quantization axis (tests/helpers_combinations.py QUANTS), Llama only, float16, attention
+triton / flashinfer / torch_native, LoRA none / triton, speculation none / ngram / eagle, CUDA graphs
+off / on with extend graphs, torch.compile off / on: for each of fp8 (online per-channel), fp8-block
+(a 64 x 64 block-wise FP8 checkpoint) and fp8-kv (--kv-cache-dtype fp8_e4m3), every attention x
+graphs pair in full and every pair of that with the other axes (`pairwise`, 18 cells each, 54 in
+all). An FP8-weight cell is compared with the fp32 model of the dequantized weights and quantized
+inputs under FP8_TIES, an fp8-kv cell with the plain reference under FP8_KV_TIES (both calibrated
+and justified in tests/helpers_combinations.py). Unquantized cells are the ones above (quant none).
+BACKPLANE_MATRIX_MODELS=llama,gemma2 keeps the cells of those models only (default: every model);
+BACKPLANE_MATRIX_QUANT=none,fp8 those of these quantizations (none, fp8, fp8-block, fp8-kv).
 BACKPLANE_MATRIX_SHARD=i/n runs every n-th cell from the i-th (`python -m bench.run matrix` runs
 four shards side by side and merges their JSON into matrix.json), and BACKPLANE_MATRIX_OUT=path
 writes the summary (cells, refusals with their lines, mismatches, ties, times) as JSON.
@@ -35,7 +44,8 @@ import os
 
 import pytest
 
-from helpers_combinations import MODELS, Cell, TieRule, check, matrix_fixtures, pairwise, run_cell
+from helpers_combinations import (FP8_KV_TIES, FP8_TIES, MODELS, QUANTS, WEIGHT_QUANTS, Cell, TieRule, check,
+                                  matrix_fixtures, pairwise, run_cell)
 
 pytestmark = pytest.mark.gpu
 
@@ -65,6 +75,13 @@ MOE_TORCH_NATIVE = [
     (Cell("triton", "triton", None, None, False, True, model="qwen3_moe", moe="torch_native"),
      "--moe-backend torch_native"),
 ]
+QUANT_LORA = [None, "triton"]
+# Cell label -> the expected refusal's text, for quantization cells the engine refuses at startup.
+# None is expected: quant_fp8 declares LoRA, CUDA graphs and torch.compile; triton, flashinfer and
+# torch_native attention each declare kv_cache_dtypes fp8_e4m3; EAGLE's draft keeps its own cache
+# and weights in the model dtype. On CPU every combination of the axis with torch_native and triton
+# attention, each LoRA backend, speculation, compile and graphs asked for ran (none refused).
+QUANT_REFUSALS: dict[str, str] = {}
 
 
 def _cells() -> list[Cell]:
@@ -77,18 +94,37 @@ def _cells() -> list[Cell]:
         cells += [Cell(*c["attention"], c["lora"], c["spec"], True, *c["graphs"]) for c in pairwise(axes)]
     cells += [cell for model in MODELS if model != "llama" for cell in _model_cells(model)]
     cells += [cell for cell, _ in MOE_TORCH_NATIVE]
-    models = os.environ.get("BACKPLANE_MATRIX_MODELS")
-    if models:
-        chosen = models.split(",")
-        unknown = sorted(set(chosen) - set(MODELS))
-        if unknown:
-            raise ValueError(f"BACKPLANE_MATRIX_MODELS={models!r}: unknown {unknown}; expected names of {sorted(MODELS)}")
-        cells = [cell for cell in cells if cell.model in chosen]
+    cells += [cell for quant in QUANTS if quant for cell in _quant_cells(quant)]
+    models = _chosen("BACKPLANE_MATRIX_MODELS", list(MODELS))
+    cells = [cell for cell in cells if cell.model in models]
+    quants = _chosen("BACKPLANE_MATRIX_QUANT", [q or "none" for q in QUANTS])
+    cells = [cell for cell in cells if (cell.quant or "none") in quants]
     shard = os.environ.get("BACKPLANE_MATRIX_SHARD")
     if shard:
         index, count = (int(v) for v in shard.split("/"))
         cells = cells[index::count]
     return cells
+
+
+def _chosen(variable: str, names: list[str]) -> list[str]:
+    """The comma-separated names of environment `variable` (all of `names` when unset); an unknown one is an error."""
+    value = os.environ.get(variable)
+    if not value:
+        return names
+    chosen = value.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise ValueError(f"{variable}={value!r}: unknown {unknown}; expected names of {names}")
+    return chosen
+
+
+def _quant_cells(quant: str) -> list[Cell]:
+    """The Llama cells of `quant`: every attention x graphs pair, each pair of it with LoRA,
+    speculation and compile, and of those with each other (`pairwise`)."""
+    axes = {"attention_graphs": list(itertools.product(MODEL_ATTENTION, MODEL_GRAPHS)), "lora": QUANT_LORA,
+            "spec": SPEC, "compile": [False, True]}
+    return [Cell(*c["attention_graphs"][0], c["lora"], c["spec"], c["compile"], *c["attention_graphs"][1], quant=quant)
+            for c in pairwise(axes)]
 
 
 def _model_cells(model: str) -> list[Cell]:
@@ -101,14 +137,18 @@ def _model_cells(model: str) -> list[Cell]:
 
 
 def expected_refusal(cell: Cell) -> str | None:
-    return dict((c.label, refusal) for c, refusal in MOE_TORCH_NATIVE).get(cell.label)
+    refusals = {**{c.label: refusal for c, refusal in MOE_TORCH_NATIVE}, **QUANT_REFUSALS}
+    return refusals.get(cell.label)
 
 
 def settings_of(cell: Cell) -> tuple[TieRule, dict]:
-    """The cell's tie rule and Engine settings: a MoE model's are its own (bf16, MOE_TIES)."""
+    """The cell's tie rule and Engine settings: a MoE model's are its own (bf16, MOE_TIES); an FP8
+    cell's rule is FP8_TIES (weights) or FP8_KV_TIES (KV cache)."""
     if MODELS[cell.model].moe:
         return MOE_TIES, {**SETTINGS, "dtype": MOE_DTYPE}
-    return TIES, SETTINGS
+    if cell.quant in WEIGHT_QUANTS:
+        return FP8_TIES, SETTINGS
+    return (FP8_KV_TIES if cell.quant == "fp8-kv" else TIES), SETTINGS
 
 
 worlds, results = matrix_fixtures("matrix_gpu")
