@@ -12,7 +12,8 @@ checks it), so every package above (layers, models, executor, engine, plugins) m
 - `model`: ModelOutput
 - `protocols`: the collaborators' Protocols (GraphContributor, SchedulerParticipant, ...)
 - `moe`: the MoeBackend ABC (a MoE kernel), MoeLayerInfo, MoeBackendContext
-- `quant`: QuantMethod (a quantized linear layer), QuantConfig, QuantContext, ShardLayout, LinearPartition
+- `quant`: QuantMethod (a quantized linear layer), QuantConfig, QuantContext, ShardLayout, LinearPartition,
+  ExpertQuant (how a MoE layer's quantized experts are stored)
 """
 
 from backplane.contracts.attention import AttentionBackend, AttentionBackendContext, AttentionLayerInfo
@@ -26,11 +27,11 @@ from backplane.contracts.model import ModelOutput
 from backplane.contracts.moe import MoeBackend, MoeBackendContext, MoeLayerInfo
 from backplane.contracts.protocols import ForwardRouter, GraphContributor, RunningRequests, SchedulerParticipant
 from backplane.contracts.quant import (
-    LinearPartition, QuantConfig, QuantContext, QuantMethod, ShardLayout, new_parameter,
+    ExpertQuant, LinearPartition, QuantConfig, QuantContext, QuantMethod, ShardLayout, new_parameter,
 )
 
 __all__ = [
-    "AttentionBackend", "AttentionBackendContext", "AttentionLayerInfo", "ForwardBatch", "ForwardMode",
+    "AttentionBackend", "AttentionBackendContext", "AttentionLayerInfo", "ExpertQuant", "ForwardBatch", "ForwardMode",
     "ForwardContext", "ForwardRouter", "ForwardSlot", "GraphContributor", "GraphKey", "GraphParticipant", "HostBatch", "LoraBackend",
     "LinearPartition", "LoraBackendContext", "LoraBatchInfo", "LoraSegments", "ModeLimit", "ModelOutput", "MoeBackend",
     "MoeBackendContext", "MoeLayerInfo", "NestedForwardError",

@@ -18,6 +18,14 @@ The backend owns the rest: given the tokens `x` [T, H], `topk_weights` [T, k] (f
 intermediate dimension (a partial sum the layer all-reduces). The torch reference is
 `backplane.moe.torch_native`; `backplane.testing.moe_conformance` holds any backend to it.
 
+Quantized experts: when the run's quantization method describes the experts
+(`QuantConfig.expert_quant`, a `backplane.contracts.ExpertQuant`), the layer's `w13_weight` /
+`w2_weight` hold its `weight_dtype` (FP8) and the layer also has `w13_<scale_name>` /
+`w2_<scale_name>` (fp32 scales, per channel or per block); `MoeLayerInfo.quant` is that
+description. Only a backend whose spec declares the method in `quant_methods` is selected for such
+a run; it computes sum_j weight_j * expert(x) with the dequantized weights, its activations
+quantized as `ExpertQuant.activations` says (`backplane.moe.quantize_activations`).
+
 Nothing here imports anything of backplane above `backplane.contracts`.
 """
 
@@ -29,6 +37,8 @@ from typing import Any
 
 import torch
 
+from backplane.contracts.quant import ExpertQuant
+
 
 @dataclass(frozen=True)
 class MoeLayerInfo:
@@ -39,6 +49,7 @@ class MoeLayerInfo:
     renormalize: the router renormalises the k weights to sum to 1 (informational: the weights the
     backend receives are final). activation: "silu" (SwiGLU experts). layer_id: the decoder layer.
     params_dtype: the experts' weights dtype before any quantization; device: where they live.
+    quant: how the experts' weights are quantized (None: the model dtype).
     """
 
     layer_id: int
@@ -53,6 +64,7 @@ class MoeLayerInfo:
     activation: str = "silu"
     tp_rank: int = 0
     tp_size: int = 1
+    quant: ExpertQuant | None = None
 
 
 @dataclass(frozen=True)

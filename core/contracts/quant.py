@@ -10,6 +10,12 @@ layer: it creates the weights and scales (`create_weights`), which the layer's o
 shards and the q/k/v or gate/up parts of fused layers included), fixes them up once
 (`process_weights_after_loading`) and computes the layer (`apply`).
 
+A mixture-of-experts layer's experts are not linear layers: the core asks
+`QuantConfig.expert_quant(layer, prefix)` for an `ExpertQuant`, a description of how the experts'
+weights and scales are stored (data, no code). The core's `FusedMoE` creates and loads those
+tensors, and the model's MoE backend (one declaring the method's name in `quant_methods`) computes
+with them (backplane.contracts.moe).
+
 Nothing here imports anything of backplane above `backplane.contracts`.
 """
 
@@ -125,6 +131,48 @@ class QuantContext:
     options: Any = None
 
 
+EXPERT_SCALES = ("channel", "block")
+EXPERT_ACTIVATIONS = ("token", "group")
+
+
+@dataclass(frozen=True)
+class ExpertQuant:
+    """How a quantization method stores a MoE layer's expert weights (`QuantConfig.expert_quant`).
+
+    The layer's stacked `w13_weight` [E, 2 * I_local, H] and `w2_weight` [E, H, I_local] hold
+    `weight_dtype` values w_q, and the dequantized weight is w_q * scale, the scales fp32 and named
+    `w13_<scale_name>` / `w2_<scale_name>` (the checkpoint's per-expert `<scale_name>` tensors stacked):
+      scales "channel": one scale per output row: [E, 2 * I_local] and [E, H] (a checkpoint's
+        per-channel [N, 1] or per-tensor [1] scale of each expert's projection fills its rows);
+      scales "block": one per `block` = (bn, bk) tile: [E, 2 * I_local / bn, H / bk] (gate blocks,
+        then up blocks) and [E, H / bn, I_local / bk]; bn and bk divide H and I_local.
+    activations: how the backend quantizes each GEMM's input (dynamic, computed per call):
+      "token" one scale per row, "group" one per row and run of bk columns.
+    online: the checkpoint holds the weights in the model dtype; the layer quantizes them per
+      channel after loading (scales "channel").
+    method: the quantization method's name (what a MoE backend's `quant_methods` declares).
+    """
+
+    method: str
+    weight_dtype: torch.dtype
+    scales: str = "channel"
+    activations: str = "token"
+    block: tuple[int, int] | None = None
+    scale_name: str = "weight_scale"
+    online: bool = False
+
+    def __post_init__(self):
+        if self.scales not in EXPERT_SCALES or self.activations not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"ExpertQuant: scales {self.scales!r}, activations {self.activations!r}; expected "
+                             f"scales one of {', '.join(EXPERT_SCALES)} and activations one of "
+                             f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if (self.scales == "block") != (self.block is not None) or (self.activations == "group") != (self.block is not None):
+            raise ValueError(f"ExpertQuant: scales {self.scales!r}, activations {self.activations!r} with block "
+                             f"{self.block}: expected block (bn, bk) exactly with scales 'block' and activations 'group'")
+        if self.online and self.scales != "channel":
+            raise ValueError("ExpertQuant: online quantization stores per-channel scales; expected scales 'channel'")
+
+
 class QuantConfig(ABC):
     """A quantization method made for one checkpoint: which layers it skips, a method per layer.
 
@@ -142,6 +190,12 @@ class QuantConfig(ABC):
     @abstractmethod
     def method_for(self, layer: torch.nn.Module, prefix: str) -> QuantMethod | None:
         """The method for the linear layer named `prefix` (None: leave it in high precision)."""
+
+    def expert_quant(self, layer: torch.nn.Module, prefix: str) -> ExpertQuant | None:
+        """How the experts of the MoE layer named `prefix` ("model.layers.0.mlp") are stored, or None:
+        in the model dtype (the default). Raise ValueError, one line, for a layout the method knows
+        but cannot describe."""
+        return None
 
 
 def module_matches(name: str, pattern: str) -> bool:

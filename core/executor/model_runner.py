@@ -186,7 +186,7 @@ class ModelRunner:
                 logger.info("quantization %s: %s", self.quant_choice.spec.name,
                             f"kept in {dtype_name(self.dtype)}: {', '.join(kept)}" if kept else "every linear layer")
             if self.moe_choice is not None:
-                register_moe_layers(model, self.model_ctx.moe_backend)
+                register_moe_layers(model, self.model_ctx.moe_backend, quant)  # quantized experts too
         if self.source.load_format == "dummy":
             init_dummy_weights(model, self.args.seed)
         else:

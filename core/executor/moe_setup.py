@@ -19,6 +19,7 @@ import torch
 
 from backplane.config import PoolConfig
 from backplane.contracts.moe import MoeBackend, MoeBackendContext
+from backplane.contracts.quant import QuantConfig, module_matches
 from backplane.executor.resources import dtype_name
 from backplane.plugin.registry import Registry
 from backplane.plugin.runtime import build_first
@@ -105,12 +106,28 @@ def moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if getattr(m, "moe_info", None) is not None]
 
 
-def register_moe_layers(model: torch.nn.Module, backend: MoeBackend) -> int:
-    """`backend.register_layer(layer, layer.moe_info)` for every MoE layer; how many there are."""
-    layers = moe_layers(model)
-    for layer in layers:
+def register_moe_layers(model: torch.nn.Module, backend: MoeBackend, quant: QuantConfig | None = None) -> int:
+    """`backend.register_layer(layer, layer.moe_info)` for every MoE layer; how many there are.
+
+    quant: the run's QuantConfig. Unless the checkpoint keeps a layer's experts in high precision
+    (`quant.ignore` matches `<layer>.experts`), `quant.expert_quant(layer, name)` says how its experts
+    are stored and the layer makes them so (`set_expert_quant`) before the checkpoint is read."""
+    layers = [(name, m) for name, m in model.named_modules() if getattr(m, "moe_info", None) is not None]
+    for name, layer in layers:
+        if quant is not None:
+            quantize_experts(layer, name, quant)
         backend.register_layer(layer, layer.moe_info)
     return len(layers)
+
+
+def quantize_experts(layer: torch.nn.Module, name: str, quant: QuantConfig) -> None:
+    """Hand the experts of MoE layer `name` to `quant` (nothing when its ignore list keeps them)."""
+    if any(module_matches(f"{name}.experts", pattern) for pattern in quant.ignore):
+        return
+    expert_quant = getattr(quant, "expert_quant", None)  # NOTE: a duck-typed config may lack it
+    described = expert_quant(layer, name) if expert_quant is not None else None
+    if described is not None:
+        layer.set_expert_quant(described)
 
 
 def process_moe_layers(model: torch.nn.Module) -> None:

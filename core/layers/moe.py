@@ -14,19 +14,30 @@ takes, so a MoE model loads with the same helper as a dense one:
 
     mapping = expert_params_mapping(num_experts, "gate_proj", "up_proj", "down_proj")
     load_named_weights(model, weights, stacked_params=mapping + list(STACKED_PARAMS))
+
+Quantized experts: `set_expert_quant(ExpertQuant)` (the core calls it when the run's quantization
+method describes the experts, before loading) makes the stacked weights FP8 and adds the scales
+`w13_<scale_name>` / `w2_<scale_name>`; the same mapping then loads each expert's
+`...experts.3.gate_proj.weight_scale_inv` into the rows of `w13_weight_scale_inv` that hold expert 3's
+gate blocks. Online quantization keeps the weights in the model dtype until
+`process_weights_after_loading`, which quantizes them per channel.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from backplane.contracts.moe import MoeLayerInfo
+from backplane.contracts.quant import ExpertQuant
 from backplane.layers.activation import SiluAndMul
 from backplane.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 from backplane.layers.parallel import divide
 from backplane.moe import moe_experts, register_moe_layer, route
+from backplane.moe.quant import quantize_experts_per_channel
 
 EXPERT_SHARDS = ("w1", "w2", "w3")  # gate, down, up (Mixtral's names; any model's gate/down/up)
 
@@ -122,10 +133,42 @@ class FusedMoE(nn.Module):
             params_dtype=dtype, device=self.w13_weight.device, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
         self.handle = register_moe_layer(self)  # for torch.ops.backplane.moe_experts under torch.compile
 
-    def _expert_param(self, shape: tuple[int, ...], dtype) -> nn.Parameter:
-        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    def _expert_param(self, shape: tuple[int, ...], dtype, device=None) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
         param.weight_loader = self.weight_loader
         return param
+
+    @property
+    def expert_quant(self) -> ExpertQuant | None:
+        """How the experts are quantized (None: the model dtype); `moe_info.quant`."""
+        return self.moe_info.quant
+
+    def set_expert_quant(self, quant: ExpertQuant) -> None:
+        """Store the experts as `quant` describes, before the checkpoint is read: `w13_weight` /
+        `w2_weight` in quant.weight_dtype (the model dtype until processed when online) and their
+        fp32 scales `w13_<scale_name>` / `w2_<scale_name>`. A block that does not divide this rank's
+        sizes is a ValueError."""
+        num_experts, hidden, local = self.num_experts, self.hidden_size, self.intermediate_size_per_partition
+        device = self.w13_weight.device
+        if not quant.online:
+            self.w13_weight = self._expert_param(tuple(self.w13_weight.shape), quant.weight_dtype, device)
+            self.w2_weight = self._expert_param(tuple(self.w2_weight.shape), quant.weight_dtype, device)
+            if quant.scales == "block":
+                self._check_blocks(quant.block)
+                bn, bk = quant.block
+                w13_scale, w2_scale = (num_experts, 2 * local // bn, hidden // bk), (num_experts, hidden // bn, local // bk)
+            else:
+                w13_scale, w2_scale = (num_experts, 2 * local), (num_experts, hidden)
+            self.register_parameter(f"w13_{quant.scale_name}", self._expert_param(w13_scale, torch.float32, device))
+            self.register_parameter(f"w2_{quant.scale_name}", self._expert_param(w2_scale, torch.float32, device))
+        self.moe_info = dataclasses.replace(self.moe_info, quant=quant)
+
+    def _check_blocks(self, block: tuple[int, int]) -> None:
+        sizes = {"hidden size": self.hidden_size, "intermediate size per rank": self.intermediate_size_per_partition}
+        bad = [f"{name} {size}" for name, size in sizes.items() if size % block[0] or size % block[1]]
+        if bad:
+            raise ValueError(f"MoE layer {self.moe_info.layer_id}: expert weight blocks {list(block)} do not divide the "
+                             f"{', '.join(bad)}; expected both to be multiples of the block's rows and columns")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H] (the same on every rank)."""
@@ -140,7 +183,14 @@ class FusedMoE(nn.Module):
         return self.ctx.parallel.all_reduce(out)
 
     def process_weights_after_loading(self) -> None:
-        """Once after the checkpoint is read: the MoE backend's re-layout of the experts' weights."""
+        """Once after the checkpoint is read: online quantization of the experts (per channel), then
+        the MoE backend's re-layout of the experts' weights."""
+        quant = self.expert_quant
+        if quant is not None and quant.online and self.w13_weight.dtype != quant.weight_dtype:
+            for name in ("w13", "w2"):
+                q, scale = quantize_experts_per_channel(getattr(self, f"{name}_weight").data, quant.weight_dtype)
+                setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
+                self.register_parameter(f"{name}_{quant.scale_name}", nn.Parameter(scale, requires_grad=False))
         self.ctx.moe_backend.process_weights_after_loading(self)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]) -> None:
@@ -154,12 +204,52 @@ class FusedMoE(nn.Module):
         local, rank = self.intermediate_size_per_partition, self.ctx.parallel.tp_rank
         full = local * self.ctx.parallel.tp_size
         what = f"MoE layer {self.moe_info.layer_id} expert {expert} {shard}"
+        if param is not self.w13_weight and param is not self.w2_weight:
+            return self._load_scale(param, loaded_weight, expert, shard, what)
+        self._check_dtype(param, loaded_weight, what)
         if shard == "w2":
             self._check_full(loaded_weight, (self.hidden_size, full), what)
             return copy_checked(param[expert], loaded_weight.narrow(1, rank * local, local), what)
         self._check_full(loaded_weight, (full, self.hidden_size), what)
         rows = param[expert].narrow(0, 0 if shard == "w1" else local, local)
         copy_checked(rows, loaded_weight.narrow(0, rank * local, local), what)
+
+    def _check_dtype(self, param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
+        """A quantized checkpoint weight goes only into a parameter of its dtype: copied into the model
+        dtype it would lose its scale silently."""
+        if loaded.dtype.itemsize == 1 and loaded.is_floating_point() and param.dtype != loaded.dtype:
+            raise ValueError(f"{what}: the checkpoint holds {loaded.dtype} expert weights but this run keeps the experts "
+                             f"in {param.dtype}; expected a quantization method (--quantization) that describes "
+                             "quantized experts")
+
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: str, what: str) -> None:
+        """One expert's checkpoint scale into its rows of a w13 / w2 scale (ExpertQuant's layout).
+
+        Per channel ([N, 1], [N] or one per-tensor value filling every row of the part): gate / up
+        fill the first / second I_local entries of w13's, down all H of w2's. Per block
+        ([N / bn, K / bk]): gate / up fill the first / second I_local / bn block rows of w13's (this
+        rank's), down this rank's I_local / bk block columns of w2's."""
+        quant = self.expert_quant
+        local, rank, tp = self.intermediate_size_per_partition, self.ctx.parallel.tp_rank, self.ctx.parallel.tp_size
+        loaded = loaded.float()
+        if quant.scales == "channel":
+            rows = self.hidden_size if shard == "w2" else local * tp
+            if loaded.numel() == 1:
+                loaded = loaded.reshape(1).expand(rows)
+            self._check_full(loaded.reshape(-1), (rows,), f"{what} scale")
+            loaded = loaded.reshape(-1)
+            if shard == "w2":
+                return copy_checked(param[expert], loaded, f"{what} scale")
+            part = param[expert].narrow(0, 0 if shard == "w1" else local, local)
+            return copy_checked(part, loaded.narrow(0, rank * local, local), f"{what} scale")
+        bn, bk = quant.block
+        if shard == "w2":
+            self._check_full(loaded, (self.hidden_size // bn, local * tp // bk), f"{what} scale")
+            return copy_checked(param[expert], loaded.narrow(1, rank * local // bk, local // bk), f"{what} scale")
+        self._check_full(loaded, (local * tp // bn, self.hidden_size // bk), f"{what} scale")
+        blocks = local // bn
+        part = param[expert].narrow(0, 0 if shard == "w1" else blocks, blocks)
+        copy_checked(part, loaded.narrow(0, rank * blocks, blocks), f"{what} scale")
 
     def _checked_shard(self, shard_id) -> tuple[int, str]:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in EXPERT_SHARDS):
@@ -172,7 +262,7 @@ class FusedMoE(nn.Module):
         return expert, shard
 
     @staticmethod
-    def _check_full(loaded: torch.Tensor, shape: tuple[int, int], what: str) -> None:
+    def _check_full(loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         if tuple(loaded.shape) != shape:
             raise ValueError(f"{what}: expected the full checkpoint tensor of shape {shape}, got {tuple(loaded.shape)}")
 
@@ -180,4 +270,4 @@ class FusedMoE(nn.Module):
         info = self.moe_info
         return (f"experts={info.num_experts}, top_k={info.top_k}, hidden={info.hidden_size}, "
                 f"intermediate={info.intermediate_size_per_partition}/{info.intermediate_size}, "
-                f"renormalize={info.renormalize}")
+                f"renormalize={info.renormalize}" + (f", quant={info.quant}" if info.quant else ""))

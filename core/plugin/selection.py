@@ -151,8 +151,8 @@ def moe_unusable_reasons(spec: Any, req: MoeRequirements) -> list[str]:
         reasons.append(f"{req.num_experts} experts above its maximum {spec.max_experts}")
     if req.quant is not None and req.quant not in spec.quant_methods:
         reasons.append(f"expert weights quantized by {req.quant!r} not supported (supports: "
-                       f"{_join(spec.quant_methods) or 'unquantized only'}; fix: an unquantized run, or a MoE "
-                       f"backend declaring quant_methods {req.quant})")
+                       f"{_join(spec.quant_methods) or 'unquantized only'}; fix: a MoE backend declaring "
+                       f"quant_methods {req.quant}, or an unquantized run)")
     for needed, declared, label, fix in (
             (req.graphs, spec.supports_graph, "CUDA graphs", MOE_GRAPH_FIX),
             (req.compile, spec.supports_compile, "torch.compile", "drop --enable-torch-compile")):

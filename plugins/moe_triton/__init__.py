@@ -1,6 +1,9 @@
 """MoE backend "triton": tokens sorted by expert in block-aligned runs, then two grouped-GEMM Triton
 kernels (gate/up fused with SiLU-and-mul; down with the router weight applied) and the k-way sum.
 
+FP8 experts (--quantization fp8: block-wise or per-channel checkpoints, or online) run as FP8 GEMMs
+with activations quantized per token or per 1 x 128 group.
+
 Registration only: triton is imported when the backend is built, never when this module loads.
 With TRITON_INTERPRET=1 the kernels also run on CPU tensors (slowly; tests call the backend directly).
 """
@@ -40,6 +43,7 @@ def backplane_register_moe_backends(register):
             max_experts=MAX_EXPERTS,
             supports_graph=True,  # fixed-size workspaces and grids: no host sync, no routing-sized allocation
             supports_compile=True,  # through the core's opaque op
+            quant_methods=("fp8",),  # FP8 experts: per-channel or block scales (backend.QUANT_METHODS)
             priority=10,
             available=_available,
             install_hint="pip install triton",

@@ -12,21 +12,30 @@ another), allocated in register_layer (or the first apply) for chunk_tokens = ct
 tokens (at most MAX_CHUNK_TOKENS; longer inputs go through in chunks of that many); each call uses
 views of them sized by T. Every size and grid depends on T and the layer's shapes only, so a CUDA
 graph captured at T replays with any routing.
+
+FP8 experts (`layer.moe_info.quant`, an ExpertQuant of quantization method "fp8"): x is quantized
+before step 2 and h before step 3 (backplane.moe.quantize_activations: per token, or per 1 x bk
+group for block scales; fixed shapes, so graphs capture it), and both GEMMs run on FP8 operands
+with the weights' per-channel or block scales (gemm.Scales); h and the output stay in x's dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 import triton
 
-from backplane.contracts import MoeBackend, MoeBackendContext, MoeLayerInfo
+from backplane.contracts import ExpertQuant, MoeBackend, MoeBackendContext, MoeLayerInfo
+from backplane.moe import expert_scales, quantize_activations
 from backplane.plugins.moe_triton import align, configs, gemm
 from backplane.plugins.moe_triton.configs import Config, ConfigTable
 from backplane.plugins.moe_triton.options import TritonMoeOptions
 
 MAX_CHUNK_TOKENS = 8192  # the workspace's tokens at most: out_pairs is [tokens * k, H]
+QUANT_METHODS = ("fp8",)  # the plugin's spec declares these (backplane.plugins.moe_triton)
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,10 @@ class TritonMoeBackend(MoeBackend):
     """Grouped-GEMM MoE in Triton. `config`, when given, is used for every launch (tests, tuning)."""
 
     def __init__(self, ctx: MoeBackendContext, config: Config | None = None) -> None:
-        if ctx.quant is not None:
+        if ctx.quant is not None and ctx.quant not in QUANT_METHODS:
             raise ValueError(f"moe backend triton: quantization {ctx.quant!r} is not supported; expected unquantized "
-                             "expert weights (--quantization none) or another --moe-backend")
+                             f"expert weights or one of {', '.join(QUANT_METHODS)} (--quantization), or another "
+                             "--moe-backend")
         self.ctx, self.config = ctx, config
         options = ctx.options if isinstance(ctx.options, TritonMoeOptions) else TritonMoeOptions()
         self.table = configs.table_for(ctx.device, options.configs) if options.tuned else ConfigTable()
@@ -83,6 +93,9 @@ class TritonMoeBackend(MoeBackend):
         self.chunk_tokens = min(max(ctx.max_num_tokens, 1), MAX_CHUNK_TOKENS)  # longer inputs go in chunks
 
     def register_layer(self, layer: torch.nn.Module, info: MoeLayerInfo) -> None:
+        if info.quant is not None and info.quant.method not in QUANT_METHODS:
+            raise ValueError(f"moe backend triton: layer {info.layer_id}: experts quantized by {info.quant.method!r}; "
+                             f"expected one of {', '.join(QUANT_METHODS)}")
         sizes = Sizes(self.chunk_tokens, info.top_k, info.num_experts, info.hidden_size,
                       info.intermediate_size_per_partition)
         self._workspace(sizes, self.ctx.dtype)
@@ -113,7 +126,8 @@ class TritonMoeBackend(MoeBackend):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_weight, layer.w2_weight
-        _check_shapes(x, topk_weights, topk_ids, w13, w2)
+        scales = expert_scales(layer)
+        _check_shapes(x, topk_weights, topk_ids, w13, w2, scales[0] if scales else None)
         num_tokens, top_k = topk_ids.shape
         out = x.new_empty(x.shape)  # contiguous, whatever x's strides
         if num_tokens == 0:
@@ -122,22 +136,40 @@ class TritonMoeBackend(MoeBackend):
         weights = topk_weights.to(torch.float32)
         for start in range(0, num_tokens, self.chunk_tokens):
             end = min(start + self.chunk_tokens, num_tokens)
-            self._apply_chunk(ws, x[start:end], weights[start:end], topk_ids[start:end], w13, w2, out[start:end])
+            self._apply_chunk(ws, x[start:end], weights[start:end], topk_ids[start:end], w13, w2, out[start:end], scales)
         return out
 
-    def _apply_chunk(self, ws: Workspace, x, weights, ids, w13, w2, out) -> None:
+    def _apply_chunk(self, ws: Workspace, x, weights, ids, w13, w2, out, scales=None) -> None:
         (num_tokens, top_k), (num_experts, hidden, intermediate) = ids.shape, w2.shape
         num_pairs = num_tokens * top_k
         config = self.launch_config(num_tokens, top_k, num_experts, intermediate, hidden, x.dtype)
         layout = (ws.sorted_ids, ws.expert_ids, ws.num_post_padded)
         num_blocks = align.align(ids, num_experts, config.block_m, *layout, ws.chunk_counts)
         h, out_pairs = ws.views(num_pairs, intermediate, hidden)
-        gemm.gate_up(x, w13, h, *layout, top_k, num_blocks, config.block_m, config.gate_up)
-        gemm.down(h, w2, weights.reshape(-1), out_pairs, *layout, num_pairs, num_blocks, config.block_m, config.down)
+        if scales is None:
+            gemm.gate_up(x, w13, h, *layout, top_k, num_blocks, config.block_m, config.gate_up)
+            gemm.down(h, w2, weights.reshape(-1), out_pairs, *layout, num_pairs, num_blocks, config.block_m, config.down)
+        else:
+            _fp8_gemms(config, scales, x, w13, w2, h, weights.reshape(-1), out_pairs, layout, top_k, num_blocks)
         torch.sum(out_pairs.view(num_tokens, top_k, hidden), dim=1, out=out)
 
 
-def _check_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
+def _fp8_gemms(config: Config, scales, x, w13, w2, h, weights, out_pairs, layout, top_k: int, num_blocks: int) -> None:
+    """Steps 2 and 3 on FP8 experts: x and then h quantized (dynamic scales), both GEMMs on FP8."""
+    quant, w13_scale, w2_scale = scales
+    gate_up, down = config.gate_up, config.down
+    if quant.block is not None:  # one K step per scale column
+        gate_up = dataclasses.replace(gate_up, block_k=quant.block[1])
+        down = dataclasses.replace(down, block_k=quant.block[1])
+    xq, x_scale = quantize_activations(x, quant)
+    gemm.gate_up(xq, w13, h, *layout, top_k, num_blocks, config.block_m, gate_up,
+                 gemm.Scales(x_scale, w13_scale, quant.block))
+    hq, h_scale = quantize_activations(h, quant)
+    gemm.down(hq, w2, weights, out_pairs, *layout, h.shape[0], num_blocks, config.block_m, down,
+              gemm.Scales(h_scale, w2_scale, quant.block))
+
+
+def _check_shapes(x, topk_weights, topk_ids, w13, w2, quant: ExpertQuant | None = None) -> None:
     """One-line errors for inputs that do not fit together (shapes only: no device work)."""
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe backend triton: expected x [T, H], topk_weights and topk_ids [T, k], got x "
@@ -146,6 +178,8 @@ def _check_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
     if w13.shape != (num_experts, 2 * intermediate, hidden) or x.shape[1] != hidden:
         raise ValueError(f"moe backend triton: expected w13_weight [E, 2I, H] and w2_weight [E, H, I] with H = "
                          f"{x.shape[1]} (x's), got w13_weight {list(w13.shape)}, w2_weight {list(w2.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64) or x.dtype != w13.dtype or x.dtype != w2.dtype:
-        raise ValueError(f"moe backend triton: expected int32 topk_ids and x, w13_weight, w2_weight of one dtype, got "
-                         f"topk_ids {topk_ids.dtype}, x {x.dtype}, w13_weight {w13.dtype}, w2_weight {w2.dtype}")
+    weight_dtype = x.dtype if quant is None else quant.weight_dtype
+    if topk_ids.dtype not in (torch.int32, torch.int64) or w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        raise ValueError(f"moe backend triton: expected int32 topk_ids and w13_weight, w2_weight of dtype {weight_dtype} "
+                         f"({'the experts quantization' if quant else 'x'}'s), got topk_ids {topk_ids.dtype}, x {x.dtype}, "
+                         f"w13_weight {w13.dtype}, w2_weight {w2.dtype}")

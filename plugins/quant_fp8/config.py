@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backplane.contracts import QuantConfig
+from backplane.contracts import ExpertQuant, QuantConfig
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
@@ -35,6 +35,26 @@ class Fp8Config(QuantConfig):
         from backplane.plugins.quant_fp8.method import Fp8LinearMethod
 
         return Fp8LinearMethod(self.scheme, prefix)
+
+    def expert_quant(self, layer, prefix: str) -> ExpertQuant:
+        """The experts of MoE layer `prefix` under this scheme: block scales with 1 x bk activation
+        groups, or one scale per output row (per-channel scales; a per-tensor checkpoint's scale fills
+        its projection's rows; online: quantized per channel) with per-token activations."""
+        return expert_quant_of(self.scheme, prefix)
+
+
+def expert_quant_of(scheme: Fp8Scheme, prefix: str) -> ExpertQuant:
+    import torch
+
+    if scheme.static_input or scheme.activations == "none":
+        what = "static input_scale" if scheme.static_input else "weight-only (no input_activations)"
+        raise ValueError(f"quant_fp8: MoE layer {prefix}: {what} FP8 experts are not supported; expected dynamic "
+                         "activations (per token, or per 1 x block group)")
+    if scheme.weights == "block":
+        return ExpertQuant(method="fp8", weight_dtype=torch.float8_e4m3fn, scales="block", activations="group",
+                           block=scheme.block, scale_name=scheme.scale_name)
+    return ExpertQuant(method="fp8", weight_dtype=torch.float8_e4m3fn, scale_name=scheme.scale_name,
+                       online=scheme.online)
 
 
 def make_config(ctx) -> Fp8Config:

@@ -72,7 +72,7 @@ def test_moe_backends_are_listed_with_their_limits(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     backends = _backends(capsys, "moe_backends")
     native = backends[("torch_native", "moe.builtin")]
-    assert native["usable"] and native["supports_graph"] is False and native["quant_methods"] == []
+    assert native["usable"] and native["supports_graph"] is False and native["quant_methods"] == ["fp8"]
     assert native["max_top_k"] == native["max_experts"] == "any"
     assert backends[("triton", "moe_triton")]["supports_graph"] is True
     assert main(["plugins"]) == 0
@@ -80,4 +80,4 @@ def test_moe_backends_are_listed_with_their_limits(capsys, monkeypatch):
     row = next(i for i, line in enumerate(lines) if line.startswith("MoE backends:")) + 1
     assert lines[row].split()[:2] == ["torch_native", "prio"] and "plugin moe.builtin" in lines[row]
     assert lines[row + 1].split() == ["dtypes", "float32,float16,bfloat16;", "max", "top-k", "any;", "max", "experts",
-                                      "any;", "graphs", "no;", "compile", "yes;", "quantized", "-"]
+                                      "any;", "graphs", "no;", "compile", "yes;", "quantized", "fp8"]

@@ -51,7 +51,7 @@ def test_the_core_registers_torch_native_without_graphs():
     registry = load_plugins().registry
     spec = registry.specs("moe")["torch_native"]
     assert registry.provenance("moe", "torch_native").plugin == "moe.builtin"
-    assert spec.supports_graph is False and spec.quant_methods == () and spec.priority == 0
+    assert spec.supports_graph is False and spec.quant_methods == ("fp8",) and spec.priority == 0
     choice = select_moe_backend(registry, "auto", CPU)
     assert choice.spec is spec and "chosen by --moe-backend auto" in choice.reason
     backend = spec.factory(MoeBackendContext(dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=16))

@@ -193,8 +193,8 @@ def test_bad_inputs_one_line():
         backend.apply(layer, torch.randn(3, HIDDEN - 1), weights, ids)
     with pytest.raises(ValueError, match=r"expected int32 topk_ids.*float32"):
         backend.apply(layer, torch.randn(3, HIDDEN), weights, ids.float())
-    with pytest.raises(ValueError, match="quantization 'fp8' is not supported"):
-        TritonMoeBackend(MoeBackendContext(torch.float32, torch.device("cpu"), 8, quant="fp8"))
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        TritonMoeBackend(MoeBackendContext(torch.float32, torch.device("cpu"), 8, quant="int4"))
 
 
 # ---- launch configurations -------------------------------------------------------------------

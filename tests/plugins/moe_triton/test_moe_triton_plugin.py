@@ -18,7 +18,7 @@ def registry():
 def test_spec(registry):
     spec = registry.specs("moe")["triton"]
     assert spec.platforms == ("cuda",) and set(spec.dtypes) == {"bfloat16", "float16", "float32"}
-    assert spec.supports_graph and spec.supports_compile and spec.priority == 10 and spec.quant_methods == ()
+    assert spec.supports_graph and spec.supports_compile and spec.priority == 10 and spec.quant_methods == ("fp8",)
     assert registry.options_group("moe_triton") == "triton-moe"
 
 
@@ -36,8 +36,10 @@ def test_auto_picks_it_on_cuda_for_graphs(registry, monkeypatch):
     assert select_moe_backend(registry, "auto", req).spec.name == "triton"
     with pytest.raises(SelectionError, match=r"2048 experts above its maximum 1024"):
         select_moe_backend(registry, "triton", MoeRequirements("cuda", "bfloat16", num_experts=2048, top_k=8))
-    with pytest.raises(SelectionError, match=r"expert weights quantized by 'fp8' not supported"):
-        select_moe_backend(registry, "triton", MoeRequirements("cuda", "bfloat16", num_experts=8, top_k=2, quant="fp8"))
+    fp8 = MoeRequirements("cuda", "bfloat16", num_experts=8, top_k=2, quant="fp8", graphs=True)
+    assert select_moe_backend(registry, "auto", fp8).spec.name == "triton"  # FP8 experts under graphs
+    with pytest.raises(SelectionError, match=r"expert weights quantized by 'int4' not supported \(supports: fp8"):
+        select_moe_backend(registry, "triton", MoeRequirements("cuda", "bfloat16", num_experts=8, top_k=2, quant="int4"))
 
 
 def test_cpu_is_refused_in_one_line(registry):
