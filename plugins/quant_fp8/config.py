@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from backplane.contracts import ExpertQuant, QuantConfig
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
@@ -44,7 +46,6 @@ class Fp8Config(QuantConfig):
 
 
 def expert_quant_of(scheme: Fp8Scheme, prefix: str) -> ExpertQuant:
-    import torch
 
     if scheme.static_input or scheme.activations == "none":
         what = "static input_scale" if scheme.static_input else "weight-only (no input_activations)"
@@ -63,8 +64,23 @@ def make_config(ctx) -> Fp8Config:
     if qc is None:
         return Fp8Config(ONLINE)
     if qc.get("quant_method") == "fp8":
-        return Fp8Config(_fp8_scheme(qc), _names(qc, "modules_to_not_convert") + _names(qc, "ignored_layers"))
-    return Fp8Config(_compressed_tensors_scheme(qc), _names(qc, "ignore"))
+        config = Fp8Config(_fp8_scheme(qc), _names(qc, "modules_to_not_convert") + _names(qc, "ignored_layers"))
+    else:
+        config = Fp8Config(_compressed_tensors_scheme(qc), _names(qc, "ignore"))
+    _check_block_for_device(config.scheme, torch.device(ctx.device))
+    return config
+
+
+MIN_CUDA_BLOCK_COLUMNS = 32  # Triton's 8-bit tl.dot on CUDA takes K >= 32; the block kernels step K by a block
+
+
+def _check_block_for_device(scheme: Fp8Scheme, device: torch.device) -> None:
+    """Refuse, before any weight loads, block-wise weights whose blocks are narrower than the CUDA
+    kernels' K step (the CPU path dequantizes and takes any block)."""
+    if device.type == "cuda" and scheme.weights == "block" and scheme.block[1] < MIN_CUDA_BLOCK_COLUMNS:
+        raise ValueError(f"quantization_config weight block {list(scheme.block)}: the CUDA FP8 kernels need blocks of "
+                         f"at least {MIN_CUDA_BLOCK_COLUMNS} columns (checkpoints of [128, 128] blocks load); "
+                         "fix: --device cpu, or requantize with wider blocks")
 
 
 def _names(qc: dict[str, Any], key: str) -> tuple[str, ...]:

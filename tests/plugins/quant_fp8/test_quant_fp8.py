@@ -171,3 +171,20 @@ def test_tp2_loads_sharded_scales_and_equals_tp1(fmt, hf_model, tmp_path):
     # Static per-tensor scales and 1 x bk groups (whole blocks on each rank) give the one-rank numbers.
     tol = 0.15 if fmt == "channel" else 1e-4
     torch.testing.assert_close(torch.tensor(tp2.logprobs), torch.tensor(tp1.logprobs), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block, refused", [([16, 16], True), ([128, 16], True), ([16, 32], False), ([128, 128], False)])
+def test_blocks_narrower_than_the_cuda_kernels_k_step_are_refused_on_cuda(block, refused):
+    """Triton's 8-bit dots on CUDA take K >= 32: a block of fewer columns is refused in one line at
+    startup (the CPU path dequantizes and loads any block)."""
+    from backplane.contracts import QuantContext
+    from backplane.plugins.quant_fp8.config import make_config
+
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}
+    assert make_config(QuantContext(qc, torch.bfloat16, torch.device("cpu"))).scheme.block == tuple(block)
+    if not refused:
+        assert make_config(QuantContext(qc, torch.bfloat16, torch.device("cuda"))).scheme.block == tuple(block)
+        return
+    with pytest.raises(ValueError) as err:
+        make_config(QuantContext(qc, torch.bfloat16, torch.device("cuda")))
+    assert "\n" not in str(err.value) and "at least 32 columns" in str(err.value) and str(block) in str(err.value)
