@@ -56,8 +56,15 @@ def _folded_expand_kernel(
     tl.store(Out + t.to(tl.int64) * stride_o + offs_n, base.to(Out.dtype.element_ty), mask=mask_n)
 
 
-def choose_block_n(num_base: int) -> int:
-    """Columns per program: enough programs for a single token to spread over the SMs."""
+INTERPRETED_MAX_BLOCK_N = 1024
+
+
+def choose_block_n(num_base: int, device: torch.device | None = None) -> int:
+    """Columns per program: on CUDA enough programs for a single token to spread over the SMs; on
+    CPU (the Triton interpreter, which runs each program in Python) one program per token for the
+    small widths tests use, up to INTERPRETED_MAX_BLOCK_N columns."""
+    if device is not None and device.type == "cpu":
+        return min(max(64, triton.next_power_of_2(num_base)), INTERPRETED_MAX_BLOCK_N)
     return 64 if num_base <= 4096 else 128
 
 
@@ -91,7 +98,7 @@ def folded_expand(
         raise ValueError("folded_expand: y, out and B need unit last strides and out [T, num_base]")
     if num_tokens == 0:
         return out
-    block_n = block_n or choose_block_n(num_base)
+    block_n = block_n or choose_block_n(num_base, y.device)
     grid = (num_tokens, triton.cdiv(num_base, block_n))
     _folded_expand_kernel[grid](
         y, b_weights, out, token_slots, scalings,

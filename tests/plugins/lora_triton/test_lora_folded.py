@@ -50,7 +50,8 @@ class FoldingNative(TorchNativeLoraBackend):
 @pytest.mark.parametrize("offsets", [[0, 48, 64, 80], [0, 56, 112], [0, 72]])
 @pytest.mark.parametrize("slots", [[2], [0, 1, 2, 3, 1, 0, 3], [0, 0]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_expand_kernel_and_reference_equal_the_unfolded_lora(offsets, slots, dtype):
+@pytest.mark.parametrize("block_n", [None, 32])  # None: one program per token on CPU; 32: spans cut the slices
+def test_expand_kernel_and_reference_equal_the_unfolded_lora(offsets, slots, dtype, block_n):
     from backplane.plugins.lora_triton import folded
 
     gen = torch.Generator().manual_seed(len(slots) + len(offsets))
@@ -65,7 +66,8 @@ def test_expand_kernel_and_reference_equal_the_unfolded_lora(offsets, slots, dty
     want = native.apply_lora(x, a, b, offsets, x @ w.T)
     w, a, b, x = (v.to(dtype) for v in (w, a, b, x))
     y = x @ torch.cat([w, a.reshape(-1, K)]).T  # the folded GEMM
-    got = folded.folded_expand(y, n, b, offsets, torch.empty(t, n, dtype=dtype), info.token_slots, info.scalings)
+    got = folded.folded_expand(y, n, b, offsets, torch.empty(t, n, dtype=dtype), info.token_slots, info.scalings,
+                               block_n=block_n)
     reference = FoldingNative(make_ctx())
     reference.prepare_batch(info)
     ref = reference.expand_folded(y, n, b, offsets, torch.empty(t, n, dtype=dtype))
