@@ -11,6 +11,7 @@ group's logs and result JSON go to $OUT/<group>/, packed as $OUT/<group>.tar.gz 
 at most 8 files); a summary table comes last. --commit names the commit in result files (the copy of
 the tree there has no git). FlashInfer modules JIT-built on an earlier machine (--save-flashinfer-aot
 writes them as flashinfer-aot.tar.xz.part-*; put those in .device/) are installed prebuilt.
+bench/gpu_suite.sh wraps test areas and groups into one call, each under its own limit.
 """
 
 from __future__ import annotations

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call: GPU test areas, then bench groups, each under its own time limit, with the
+# machine's cold costs carried between calls (FlashInfer's JIT modules, Triton's kernel cache).
+#
+#   carry: [".device"]   (.device/ is git-ignored: site.tar.xz from ../shared/device/make-site.sh,
+#                         flashinfer-aot.tar.xz.part-*, triton-cache.tar.xz from earlier calls)
+#   command: AREAS="extend:300 fp8:90" BENCH="ttft:300 quant-decode:200" bash bench/gpu_suite.sh
+#
+# Write the commit first (the tree there has no git): git rev-parse --short HEAD > .device/commit
+# AREAS: name:seconds of the test areas below (pytest -m gpu, faulthandler dump after FH seconds);
+# BENCH: group:budget of `python -m bench.run` (bench/run.py lists them). What comes back under
+# $OUT: each area's pytest log, each group's archive, the FlashInfer modules and the Triton cache
+# (copy both into .device/ for the next call). A fresh machine JIT-builds FlashInfer (about 25 s a
+# module) and compiles every Triton kernel: the first call of a session pays minutes for that.
+set -u
+t00=$(date +%s)
+[ -f .device/site.tar.xz ] && tar -xJf .device/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .device/triton-cache.tar.xz ] && tar -xJf .device/triton-cache.tar.xz -C "$TRITON_CACHE_DIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "from bench.run import prepare; print(*prepare(), sep='\n')"
+OUT=${OUT:-$(mktemp -d)}
+commit=$(git rev-parse --short HEAD 2>/dev/null || cat .device/commit 2>/dev/null || echo unknown)
+
+declare -A FILES=(
+  [extend]="tests/gpu/test_extend_graphs_gpu.py tests/gpu/test_piecewise_gpu.py tests/lora/test_lora_extend_graphs.py"
+  [fp8]="tests/plugins/quant_fp8 tests/gpu/test_fp8_kv_gpu.py tests/lora/test_lora_fp8_base.py"
+  [models]="-k graphs tests/models/test_model_conformance.py tests/plugins/model_gemma tests/plugins/model_phi3 tests/plugins/test_newcomer_olmo2.py tests/plugins/model_moe/test_model_moe_conformance.py"
+  [moe]="tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_fp8_gpu.py tests/plugins/model_moe/test_moe_gpu.py tests/testing/test_moe_conformance.py tests/moe"
+  [windows]="tests/attention/test_tree_verify_window.py"
+)
+for spec in ${AREAS:-}; do
+  name=${spec%%:*} limit=${spec##*:} t0=$(date +%s)
+  [ -z "${FILES[$name]:-}" ] && { echo "unknown area $name (known: ${!FILES[*]})"; continue; }
+  # The CPU moe_triton files set TRITON_INTERPRET: never in the same run as these.
+  timeout -s INT "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=${FH:-120} \
+    --durations=15 -rfE ${FILES[$name]} > "$OUT/pytest-$name.txt" 2>&1
+  rc=$?
+  echo "== $name rc $rc in $(( $(date +%s) - t0 )) s: $(grep -c ' PASSED' "$OUT/pytest-$name.txt") passed," \
+       "$(grep -cE ' FAILED| ERROR' "$OUT/pytest-$name.txt") failed, $(grep -c ' SKIPPED' "$OUT/pytest-$name.txt") skipped"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest-$name.txt" | cut -c1-300 | head -8
+done
+for spec in ${BENCH:-}; do
+  echo "== group ${spec%%:*} (budget ${spec##*:} s) at $(( $(date +%s) - t00 )) s"
+  python3 -m bench.run "${spec%%:*}" --budget "${spec##*:}" --commit "$commit" 2>&1 | tail -${TAILN:-40}
+done
+python3 -c "from bench.run import save_flashinfer_aot; from pathlib import Path; import os; print(save_flashinfer_aot(Path(os.environ['OUT'])))"
+tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -3 > /tmp/triton-cache.tar.xz
+size=$(stat -c %s /tmp/triton-cache.tar.xz)
+if [ "$size" -lt 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/"; echo "triton cache: $size bytes saved"; else echo "triton cache: $size bytes, too large to bring back"; fi
+echo "total $(( $(date +%s) - t00 )) s"
