@@ -21,9 +21,8 @@ with the weights' per-channel or block scales (gemm.Scales); h and the output st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import triton
