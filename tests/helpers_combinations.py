@@ -347,22 +347,11 @@ def quantized_world(world: MatrixWorld, quant: str) -> MatrixWorld:
     else:
         model_dir = world.lora.base_dir.parent / quant
         scheme = Fp8Scheme(weights="block", activations="group", block=FP8_BLOCK, scale_name="weight_scale_inv")
-        with _fp8_checkpoint_block(FP8_BLOCK):
-            dequant = fp8_checkpoints.write_fp8_checkpoint(base, model_dir, "block")
+        dequant = fp8_checkpoints.write_fp8_checkpoint(base, model_dir, "block", block=FP8_BLOCK)
     reference = _fp8_reference(base, dequant, scheme)
     models = {None: reference, **{name: _with_adapter(reference, path) for name, path in world.lora.adapter_dirs.items()}}
     return dataclasses.replace(world, lora=LoraWorld(model_dir, world.lora.adapter_dirs, models), references={},
                                quant=quant, variants={})
-
-
-@contextlib.contextmanager
-def _fp8_checkpoint_block(block: tuple[int, int]):
-    """fp8_checkpoints writes block-wise checkpoints with its module's BLOCK: `block` for one write."""
-    saved, fp8_checkpoints.BLOCK = fp8_checkpoints.BLOCK, block
-    try:
-        yield
-    finally:
-        fp8_checkpoints.BLOCK = saved
 
 
 def _fp8_reference(base: torch.nn.Module, dequant: dict[str, torch.Tensor], scheme: Fp8Scheme) -> torch.nn.Module:

@@ -34,8 +34,10 @@ def _group_of(module: str) -> str:
     return f"{layer.rsplit('.', 1)[0]}.{FUSED.get(proj, proj)}"
 
 
-def quantized_state(state: dict[str, torch.Tensor], fmt: str, ignore: tuple[str, ...] = ()):
-    """(checkpoint tensors, dequantized fp32 weights by module name) of `state` in format `fmt`."""
+def quantized_state(state: dict[str, torch.Tensor], fmt: str, ignore: tuple[str, ...] = (),
+                    block: tuple[int, int] = BLOCK):
+    """(checkpoint tensors, dequantized fp32 weights by module name) of `state` in format `fmt`
+    (`block`: the weight blocks of fmt "block")."""
     out = {n: t.clone() for n, t in state.items()}
     dequant: dict[str, torch.Tensor] = {}
     modules = [m for m in _linear_names(state) if not any(module_matches(m, p) for p in ignore)]
@@ -53,17 +55,17 @@ def quantized_state(state: dict[str, torch.Tensor], fmt: str, ignore: tuple[str,
             out[m + ".weight_scale"] = scale.reshape(1)
             out[m + ".input_scale"] = torch.tensor([INPUT_SCALE])
         else:
-            q, scale = fq.quantize_weight_blocks(w, *BLOCK)
+            q, scale = fq.quantize_weight_blocks(w, *block)
             out[m + ".weight_scale_inv"] = scale
         out[m + ".weight"] = q
-        dequant[m] = fq.dequantize_weight(q, scale, BLOCK if fmt == "block" else None)
+        dequant[m] = fq.dequantize_weight(q, scale, block if fmt == "block" else None)
     return out, dequant
 
 
-def quantization_config(fmt: str, ignore: tuple[str, ...] = ()) -> dict:
+def quantization_config(fmt: str, ignore: tuple[str, ...] = (), block: tuple[int, int] = BLOCK) -> dict:
     if fmt == "block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head", *ignore]}
+                "weight_block_size": list(block), "modules_to_not_convert": ["lm_head", *ignore]}
     weights = {"num_bits": 8, "type": "float", "strategy": fmt, "dynamic": False, "symmetric": True}
     acts = {"num_bits": 8, "type": "float", "symmetric": True,
             **({"strategy": "token", "dynamic": True} if fmt == "channel" else {"strategy": "tensor", "dynamic": False})}
@@ -72,16 +74,18 @@ def quantization_config(fmt: str, ignore: tuple[str, ...] = ()) -> dict:
             "ignore": ["lm_head", *ignore]}
 
 
-def write_fp8_checkpoint(hf_model, path: Path, fmt: str, ignore: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def write_fp8_checkpoint(hf_model, path: Path, fmt: str, ignore: tuple[str, ...] = (),
+                         block: tuple[int, int] = BLOCK) -> dict[str, torch.Tensor]:
     """Save `hf_model` quantized in `fmt` under `path` (config.json with quantization_config,
-    model.safetensors); returns the dequantized weights by module name."""
+    model.safetensors); returns the dequantized weights by module name. `block`: the weight blocks
+    of fmt "block" (the CUDA kernels need at least 32 columns; BLOCK is small for CPU tests)."""
     path.mkdir(parents=True, exist_ok=True)
     hf_model.config.save_pretrained(path)
     state = {n: t.detach().contiguous() for n, t in hf_model.state_dict().items()}
-    tensors, dequant = quantized_state(state, fmt, ignore)
+    tensors, dequant = quantized_state(state, fmt, ignore, block)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "model.safetensors"))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt, ignore)
+    config["quantization_config"] = quantization_config(fmt, ignore, block)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return dequant
 
