@@ -218,3 +218,34 @@ def save_feature_eagle_head(config, path, layer_scale: float = 0.02, seed: int =
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(llama.to_dict()))
     return str(path)
+
+
+def forward_logits(engine, prompts: list[list[int]], next_tokens: list[int] | None = None):
+    """fp32 logits of every prompt token (one prefill batch of all prompts, built as the scheduler
+    builds one, through the engine's model runner) and, given `next_tokens`, of one decode step over
+    all prompts after them (else None); the pools are given back after."""
+    from backplane import SamplingParams
+    from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
+    from backplane.scheduler.request import Req
+
+    runner = engine.runner
+    kv_pool, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
+    engine.scheduler.prefix_cache.clear()  # the forwards below allocate from the pools directly
+    reqs = [Req(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
+    for req in reqs:
+        req.row = req_pool.alloc()
+    try:
+        batch = build_extend_batch(reqs, [len(p) for p in prompts], kv_pool, req_pool)
+        batch.logits_indices = torch.arange(batch.num_tokens, device=runner.device)
+        prefill = runner.forward(batch).logits.float().cpu()
+        if next_tokens is None:
+            return prefill, None
+        for req, token in zip(reqs, next_tokens):
+            req.num_cached = len(req.prompt_ids)
+            req.output_ids.append(token)
+        decode = runner.forward(build_decode_batch(reqs, kv_pool, req_pool)).logits.float().cpu()
+        return prefill, decode
+    finally:
+        for req in reqs:
+            kv_pool.free(torch.cat(req.slots))
+            req_pool.free(req.row)

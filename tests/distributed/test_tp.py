@@ -20,10 +20,8 @@ import torch
 
 from backplane import Engine, SamplingParams
 from backplane.distributed import WorkerFailedError
-from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
-from backplane.scheduler.request import Req
 from backplane.settings import ENV_TEST_FAIL_RANK
-from helpers_models import make_hf_model, relative_error, tiny_hf_config, unused_slots
+from helpers_models import forward_logits, make_hf_model, relative_error, tiny_hf_config, unused_slots
 from lora_helpers import forward_requests, make_lora_world
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -44,29 +42,6 @@ def hf_dirs(tmp_path_factory):
         make_hf_model(tiny_hf_config(arch, **OVERRIDES.get(arch, {})), seed=10 + i).save_pretrained(path)
         out[arch] = path
     return out
-
-
-def forward_logits(engine: Engine, prompts: list[list[int]], next_tokens: list[int]):
-    """fp32 logits of every prompt token (one prefill), then of one decode step over all prompts."""
-    runner = engine.runner
-    kv_pool, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
-    engine.scheduler.prefix_cache.clear()  # the forwards below allocate from the pool directly
-    reqs = [Req(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
-    for req in reqs:
-        req.row = req_pool.alloc()
-    try:
-        batch = build_extend_batch(reqs, [len(p) for p in prompts], kv_pool, req_pool)
-        batch.logits_indices = torch.arange(batch.num_tokens, device=runner.device)
-        prefill = runner.forward(batch).logits.float().cpu()
-        for req, token in zip(reqs, next_tokens):
-            req.num_cached = len(req.prompt_ids)
-            req.output_ids.append(token)
-        decode = runner.forward(build_decode_batch(reqs, kv_pool, req_pool)).logits.float().cpu()
-        return prefill, decode
-    finally:
-        for req in reqs:
-            kv_pool.free(torch.cat(req.slots))
-            req_pool.free(req.row)
 
 
 def serve(engine: Engine, prompts, lora=None, num_logit_prompts: int | None = None):

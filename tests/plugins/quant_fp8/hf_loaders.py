@@ -26,10 +26,8 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from backplane import SamplingParams
 from backplane.plugins.quant_fp8 import quantize as fq
-from backplane.scheduler.batch_builder import build_extend_batch
-from backplane.scheduler.request import Req
+from helpers_models import forward_logits
 
 
 def quantized_modules(path: Path, scale_name: str) -> list[str]:
@@ -102,22 +100,9 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def engine_prefill_logits(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
     """The engine's fp32 logits of every position of each prompt ([len(prompt), vocab] each), from
-    one prefill batch of all of them through its model runner, as the scheduler builds one."""
-    runner = engine.runner
-    kv_pool, req_pool = runner.token_to_kv_pool, runner.req_to_token_pool
-    engine.scheduler.prefix_cache.clear()  # the batch below allocates from the pools directly
-    reqs = [Req(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
-    for req in reqs:
-        req.row = req_pool.alloc()
-    try:
-        batch = build_extend_batch(reqs, [len(p) for p in prompts], kv_pool, req_pool)
-        batch.logits_indices = torch.arange(batch.num_tokens, device=runner.device)
-        logits = runner.forward(batch).logits.float().cpu()
-    finally:
-        for req in reqs:
-            kv_pool.free(torch.cat(req.slots))
-            req_pool.free(req.row)
-    return list(logits.split([len(p) for p in prompts]))
+    one prefill batch of all of them."""
+    prefill, _ = forward_logits(engine, prompts)
+    return list(prefill.split([len(p) for p in prompts]))
 
 
 @dataclass(frozen=True)
