@@ -30,6 +30,7 @@ VARIANTS = {  # name -> the Engine settings that differ from the default engine
     "tensor-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "true"}}},
     "cuda-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "false"}}},
     "fp8": {"quantization": "fp8"},  # the bf16 checkpoint quantized at load: per-channel weights, per-token acts
+    "fp8-block": {"quantization": "fp8", "plugin_options": {"fp8": {"online_block": "128x128"}}},  # DeepSeek's blocks
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
 }
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("variant", "variant", ""), ("bs", "batch_size", "d"),

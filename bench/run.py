@@ -110,7 +110,7 @@ GROUPS: dict[str, list[Job]] = {
     "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
                                   "--budget", "420"))],
     "moe-decode": [bench("moe-decode", "moe_decode")],  # one process: engine and peer share the ~61 GB of weights
-    "quant-decode": [bench("quant-decode-8b", "decode --models llama-3.1-8b --backends triton --variants overlap fp8 "
+    "quant-decode": [bench("quant-decode-8b", "decode --models llama-3.1-8b --backends triton --variants overlap fp8 fp8-block "
                            "--batch-sizes 1 32 --rounds 3 --no-peer"),
                      bench("fp8-kv-8b", "decode --models llama-3.1-8b --backends triton flashinfer --variants overlap "
                            "fp8-kv --batch-sizes 8 --context 16384 --steps 32 --rounds 3 --no-peer")],

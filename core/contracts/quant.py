@@ -148,8 +148,8 @@ class ExpertQuant:
         then up blocks) and [E, H / bn, I_local / bk]; bn and bk divide H and I_local.
     activations: how the backend quantizes each GEMM's input (dynamic, computed per call):
       "token" one scale per row, "group" one per row and run of bk columns.
-    online: the checkpoint holds the weights in the model dtype; the layer quantizes them per
-      channel after loading (scales "channel").
+    online: the checkpoint holds the weights in the model dtype; the layer quantizes them after
+      loading, per channel or per block as `scales` says.
     method: the quantization method's name (what a MoE backend's `quant_methods` declares).
     """
 
@@ -169,8 +169,6 @@ class ExpertQuant:
         if (self.scales == "block") != (self.block is not None) or (self.activations == "group") != (self.block is not None):
             raise ValueError(f"ExpertQuant: scales {self.scales!r}, activations {self.activations!r} with block "
                              f"{self.block}: expected block (bn, bk) exactly with scales 'block' and activations 'group'")
-        if self.online and self.scales != "channel":
-            raise ValueError("ExpertQuant: online quantization stores per-channel scales; expected scales 'channel'")
 
 
 class QuantConfig(ABC):

@@ -229,7 +229,9 @@ class ModelRunner:
         if self.quant_choice is None:
             return None
         checkpoint = quantization_config_of(self.hf_config) if req.checkpoint_format is not None else None
-        quant = build(self.quant_choice, QuantContext(checkpoint, self.dtype, self.device), kind="quant")
+        group = self.registry.options_group(self.quant_choice.plugin)
+        ctx = QuantContext(checkpoint, self.dtype, self.device, options=args.options_for(group) if group else None)
+        quant = build(self.quant_choice, ctx, kind="quant")
         if not isinstance(quant, QuantConfig):
             raise TypeError(f"quantization method {self.quant_choice.spec.name!r} (plugin {self.quant_choice.plugin!r}): "
                             f"factory returned {type(quant).__name__}, expected a QuantConfig")

@@ -37,7 +37,7 @@ from backplane.layers.activation import SiluAndMul
 from backplane.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 from backplane.layers.parallel import divide
 from backplane.moe import moe_experts, register_moe_layer, route
-from backplane.moe.quant import quantize_experts_per_channel
+from backplane.moe.quant import quantize_experts_per_block, quantize_experts_per_channel
 
 EXPERT_SHARDS = ("w1", "w2", "w3")  # gate, down, up (Mixtral's names; any model's gate/down/up)
 
@@ -150,6 +150,8 @@ class FusedMoE(nn.Module):
         sizes is a ValueError."""
         num_experts, hidden, local = self.num_experts, self.hidden_size, self.intermediate_size_per_partition
         device = self.w13_weight.device
+        if quant.online and quant.scales == "block":
+            self._check_blocks(quant.block)
         if not quant.online:
             self.w13_weight = self._expert_param(tuple(self.w13_weight.shape), quant.weight_dtype, device)
             self.w2_weight = self._expert_param(tuple(self.w2_weight.shape), quant.weight_dtype, device)
@@ -183,12 +185,14 @@ class FusedMoE(nn.Module):
         return self.ctx.parallel.all_reduce(out)
 
     def process_weights_after_loading(self) -> None:
-        """Once after the checkpoint is read: online quantization of the experts (per channel), then
+        """Once after the checkpoint is read: online quantization of the experts (per channel or block), then
         the MoE backend's re-layout of the experts' weights."""
         quant = self.expert_quant
         if quant is not None and quant.online and self.w13_weight.dtype != quant.weight_dtype:
             for name in ("w13", "w2"):
-                q, scale = quantize_experts_per_channel(getattr(self, f"{name}_weight").data, quant.weight_dtype)
+                weight = getattr(self, f"{name}_weight").data
+                q, scale = (quantize_experts_per_block(weight, quant.weight_dtype, quant.block) if quant.scales == "block"
+                            else quantize_experts_per_channel(weight, quant.weight_dtype))
                 setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
                 self.register_parameter(f"{name}_{quant.scale_name}", nn.Parameter(scale, requires_grad=False))
         self.ctx.moe_backend.process_weights_after_loading(self)

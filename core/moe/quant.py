@@ -1,7 +1,7 @@
 """Quantized experts in the core: the arithmetic every MoE backend shares for an `ExpertQuant`.
 
 Dynamic activation quantization (one scale per row, or per row and run of bk columns), the
-dequantized weight of one expert, per-channel quantization of a layer's experts (online
+dequantized weight of one expert, per-channel or per-block quantization of a layer's experts (online
 `--quantization fp8`), and where a layer keeps its scales. Plain torch: any device; the reference
 backend and a kernel backend quantize activations with the same function, so on one device they see
 the same FP8 inputs. Scales are fp32: scale = max(amax / fp8_max, MIN_SCALE), q = x / scale rounded
@@ -69,6 +69,22 @@ def quantize_experts_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tu
     for e in range(weight.shape[0]):
         q[e], s = _quantize(weight[e], dtype)
         scale[e] = s[:, 0]
+    return q, scale
+
+
+def quantize_experts_per_block(weight: torch.Tensor, dtype: torch.dtype,
+                               block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked weights [E, N, K] (bn divides N, bk divides K) -> (q [E, N, K] in `dtype`, scale
+    [E, N / bn, K / bk] fp32), one scale per (bn, bk) tile, expert by expert."""
+    num, n, k = weight.shape
+    bn, bk = block
+    q = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    scale = torch.empty(num, n // bn, k // bk, dtype=torch.float32, device=weight.device)
+    for e in range(num):
+        tiles = weight[e].reshape(n // bn, bn, k // bk, bk).permute(0, 2, 1, 3).reshape(n // bn, k // bk, bn * bk)
+        qt, s = _quantize(tiles, dtype)  # one scale per tile
+        q[e] = qt.reshape(n // bn, k // bk, bn, bk).permute(0, 2, 1, 3).reshape(n, k)
+        scale[e] = s[..., 0]
     return q, scale
 
 

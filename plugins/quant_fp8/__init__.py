@@ -4,7 +4,8 @@ Loads compressed-tensors FP8 checkpoints (per-channel or per-tensor weight scale
 per-token or static per-tensor activation scales; block scales), the block-wise "fp8" format of
 Qwen3-FP8 and DeepSeek (128x128 weight blocks, `weight_scale_inv`, dynamic 1x128 activation groups)
 and its per-tensor variant, and quantizes a bf16 checkpoint online (`--quantization fp8`: per-channel
-weight scales, dynamic per-token activations).
+weight scales, dynamic per-token activations; with `--fp8.online-block 128x128`, block scales and
+1 x 128 activation groups as the block-wise checkpoints have them).
 
 On CPU (and on a GPU without FP8 matmuls) the reference path runs: activations quantized exactly as
 on the GPU, then dequantized and multiplied in fp32. On CUDA: torch._scaled_mm for per-tensor and
@@ -47,3 +48,21 @@ def backplane_register_quant_methods(register):
         supports_lora=True, supports_tp=True, supports_graph=True, supports_compile=True,
         priority=10, available=_available, install_hint="pip install 'torch>=2.1'",
     ))
+
+
+@hookimpl
+def backplane_register_settings(register):
+    from backplane.plugins.quant_fp8.options import Fp8Options
+
+    register(NAME, Fp8Options)
+
+
+@hookimpl
+def backplane_configure(settings):
+    """--fp8.online-block only means something when this method quantizes online: refuse it otherwise."""
+    options = settings.options_for(NAME)
+    if options is None or options.online_block is None:
+        return
+    if settings.quantization.split("@")[0] != NAME:
+        raise ValueError(f"--fp8.online-block {options.online_block}: applies to --quantization fp8 (a bf16 checkpoint "
+                         f"quantized online); got --quantization {settings.quantization}")

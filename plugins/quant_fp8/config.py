@@ -17,6 +17,12 @@ ACTIVATION_STRATEGIES = ("tensor", "token", "group")
 ONLINE = Fp8Scheme(weights="channel", activations="token", online=True)
 
 
+def online_block(block: tuple[int, int]) -> Fp8Scheme:
+    """`--fp8.online-block`: a bf16 checkpoint quantized to (rows, columns) weight blocks after loading,
+    activations per 1 x columns group (the block-wise checkpoints' scheme, made online)."""
+    return Fp8Scheme(weights="block", activations="group", block=block, online=True)
+
+
 class Fp8Config(QuantConfig):
     """One scheme for every linear layer the core does not keep in high precision."""
 
@@ -53,7 +59,7 @@ def expert_quant_of(scheme: Fp8Scheme, prefix: str) -> ExpertQuant:
                          "activations (per token, or per 1 x block group)")
     if scheme.weights == "block":
         return ExpertQuant(method="fp8", weight_dtype=torch.float8_e4m3fn, scales="block", activations="group",
-                           block=scheme.block, scale_name=scheme.scale_name)
+                           block=scheme.block, scale_name=scheme.scale_name, online=scheme.online)
     return ExpertQuant(method="fp8", weight_dtype=torch.float8_e4m3fn, scale_name=scheme.scale_name,
                        online=scheme.online)
 
@@ -61,8 +67,15 @@ def expert_quant_of(scheme: Fp8Scheme, prefix: str) -> ExpertQuant:
 def make_config(ctx) -> Fp8Config:
     """The Fp8Config of a QuantContext: online for a bf16 checkpoint, else by quant_method."""
     qc = ctx.checkpoint_config
+    block = ctx.options.block if ctx.options is not None else None
     if qc is None:
-        return Fp8Config(ONLINE)
+        scheme = ONLINE if block is None else online_block(block)
+        _check_block_for_device(scheme, torch.device(ctx.device))
+        return Fp8Config(scheme)
+    if block is not None:
+        raise ValueError(f"--fp8.online-block {ctx.options.online_block}: quantizes a bf16 checkpoint online, but this "
+                         f"checkpoint is already quantized (quantization_config quant_method "
+                         f"{qc.get('quant_method')!r}); expected no --fp8.online-block with it")
     if qc.get("quant_method") == "fp8":
         config = Fp8Config(_fp8_scheme(qc), _names(qc, "modules_to_not_convert") + _names(qc, "ignored_layers"))
     else:

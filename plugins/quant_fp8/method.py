@@ -43,6 +43,8 @@ class Fp8LinearMethod(QuantMethod):
         parts, k = partition.output_partition_sizes, partition.input_size_per_partition
         n, device, scheme = sum(parts), partition.device, self.scheme
         if scheme.online:
+            if scheme.weights == "block":
+                self._check_online_blocks(parts, k)
             layer.register_parameter("weight", new_parameter(torch.empty(n, k, dtype=partition.params_dtype,
                                                                          device=device), WEIGHT))
             return
@@ -66,9 +68,18 @@ class Fp8LinearMethod(QuantMethod):
         rows = sum(-(-p // bn) for p in partition.output_partition_sizes)
         return torch.ones(rows, k // bk, device=partition.device)
 
+    def _check_online_blocks(self, parts: tuple[int, ...] | list[int], k: int) -> None:
+        """Online blocks tile every part of this rank's weight exactly (a block never spans q and k)."""
+        bn, bk = self.scheme.block
+        if k % bk or any(p % bn for p in parts):
+            raise ValueError(f"--fp8.online-block {bn}x{bk}: layer {self.prefix} has parts of {list(parts)} rows and "
+                             f"{k} columns (per rank); expected every part a multiple of {bn} and the columns of {bk}")
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scheme = self.scheme
-        if scheme.online:
+        if scheme.online and scheme.weights == "block":
+            self._quantize_blocks(layer)
+        elif scheme.online:
             weight, scale = fq.quantize_weight_per_channel(layer.weight.data)
             layer.weight = new_parameter(weight, WEIGHT)
             layer.weight_scale = new_parameter(scale, PER_CHANNEL)
@@ -84,6 +95,15 @@ class Fp8LinearMethod(QuantMethod):
             from backplane.plugins.quant_fp8.opaque import scheme_key  # registers torch.ops.backplane_fp8.linear
 
             self.scheme_key = scheme_key(self.scheme)
+
+    def _quantize_blocks(self, layer: nn.Module) -> None:
+        """The loaded weight -> FP8 blocks, part by part (the scale rows of a checkpoint's fused layer)."""
+        bn, bk = self.scheme.block
+        parts = list(layer.partition().output_partition_sizes)
+        pieces = [fq.quantize_weight_blocks(part, bn, bk) for part in layer.weight.data.split(parts, 0)]
+        layer.weight = new_parameter(torch.cat([q for q, _ in pieces]), WEIGHT)
+        layer.register_parameter(self.scheme.scale_name, new_parameter(torch.cat([s for _, s in pieces]),
+                                                                       ShardLayout(0, 1, bn, bk)))
 
     def _one_tensor_scale(self, layer: nn.Module) -> None:
         """Per-part scales of a fused layer -> one scale, their maximum: each part is requantized to it

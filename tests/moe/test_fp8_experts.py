@@ -138,5 +138,26 @@ def test_expert_quant_refuses_inconsistent_fields():
         ExpertQuant("fp8", FP8, scales="block", activations="group")
     with pytest.raises(ValueError, match=r"expected scales one of channel, block"):
         ExpertQuant("fp8", FP8, scales="tensor")
-    with pytest.raises(ValueError, match=r"online quantization stores per-channel scales"):
-        ExpertQuant("fp8", FP8, scales="block", activations="group", block=(8, 8), online=True)
+
+
+def test_online_quantization_per_block_after_loading():
+    """Online block scales: one per 8 x 8 tile of each expert (gate tiles, then up tiles), each tile
+    within half an e4m3 step of its own largest weight; a stale per-channel layout would not fit."""
+    layer = _layer(ExpertQuant("fp8", FP8, scales="block", activations="group", block=(8, 8), online=True))
+    gen = torch.Generator().manual_seed(3)
+    w13 = torch.randn(E, 2 * I, H, generator=gen) * torch.logspace(-2, 1, H)  # columns of very different sizes
+    layer.w13_weight.data.copy_(w13)
+    layer.w2_weight.data.copy_(torch.randn(E, H, I, generator=gen))
+    layer.process_weights_after_loading()
+    assert layer.w13_weight.dtype == FP8 and layer.w13_weight_scale.shape == (E, 2 * I // 8, H // 8)
+    full = layer.w13_weight_scale.repeat_interleave(8, 1).repeat_interleave(8, 2)
+    back = layer.w13_weight.float() * full
+    tile_max = w13.abs().reshape(E, 2 * I // 8, 8, H // 8, 8).amax(dim=(2, 4))
+    assert torch.all((back - w13).abs() <= tile_max.repeat_interleave(8, 1).repeat_interleave(8, 2) / 16)
+    assert torch.equal(layer.w13_weight_scale, tile_max / torch.finfo(FP8).max)
+
+
+def test_online_blocks_must_divide_the_expert_sizes():
+    with pytest.raises(ValueError, match=r"MoE layer 0: expert weight blocks \[16, 16\] do not divide the intermediate "
+                                         r"size per rank 24"):
+        _layer(ExpertQuant("fp8", FP8, scales="block", activations="group", block=(16, 16), online=True))

@@ -3,7 +3,8 @@ Qwen3-30B-A3B-FP8 is (experts and attention FP8, `weight_scale_inv` 1 x bk activ
 router in high precision) and per-channel FP8 (compressed-tensors) loads through the engine with the
 torch_native MoE backend and gives transformers' greedy tokens and logprobs with the dequantized
 weights and the same activation quantization; a planted scale error fails that comparison; online
-`--quantization fp8` quantizes the experts per channel; a MoE backend that does not declare fp8 is
+`--quantization fp8` quantizes the experts per channel (or, with --fp8.online-block, per block, equal
+to the block checkpoint); a MoE backend that does not declare fp8 is
 refused in one line."""
 
 from __future__ import annotations
@@ -163,6 +164,29 @@ def test_online_fp8_quantizes_the_experts_per_channel(saved, tmp_path):
     got = block.w2_weight.float() * block.w2_weight_scale[:, :, None]
     want = torch.stack([state[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in range(6)])
     assert torch.all((got - want).abs() <= want.abs().amax(-1, keepdim=True) / 16)  # e4m3: 3 mantissa bits
+
+
+def test_online_fp8_blocks_equal_the_block_checkpoint(saved, tmp_path):
+    """`--fp8.online-block 16x16` over the fp32 checkpoint stores the experts (and attention) exactly as
+    the block-wise checkpoint of the same weights does: the same FP8 bytes and block scales, so the
+    same tokens and logprobs."""
+    src, state = saved
+    write_checkpoint(src, state, tmp_path / "fp8", "block")
+    online, out = engine_greedy(src, quantization="fp8", plugin_options={"fp8": {"online_block": "16x16"}})
+    stored, want = engine_greedy(tmp_path / "fp8")
+    got, ref = online.runner.model.model.layers[1].mlp, stored.runner.model.model.layers[1].mlp
+    assert got.moe_info.quant.scales == "block" and got.moe_info.quant.online
+    for name in ("w13", "w2"):
+        assert torch.equal(getattr(got, f"{name}_weight").view(torch.uint8), getattr(ref, f"{name}_weight").view(torch.uint8))
+        assert torch.equal(getattr(got, f"{name}_weight_scale"), getattr(ref, f"{name}_weight_scale_inv"))
+    assert out.token_ids == want.token_ids and out.logprobs == want.logprobs
+
+
+def test_online_blocks_that_do_not_divide_the_experts_are_one_line(saved):
+    with pytest.raises(Exception, match=r"MoE layer 0: expert weight blocks \[16, 64\] do not divide the intermediate "
+                                        r"size per rank 32") as err:
+        Engine(str(saved[0]), **CPU, quantization="fp8", plugin_options={"fp8": {"online_block": "16x64"}})
+    assert "\n" not in str(err.value)
 
 
 def test_a_moe_backend_without_fp8_is_refused_in_one_line(monkeypatch):

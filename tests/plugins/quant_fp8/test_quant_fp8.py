@@ -188,3 +188,62 @@ def test_blocks_narrower_than_the_cuda_kernels_k_step_are_refused_on_cuda(block,
     with pytest.raises(ValueError) as err:
         make_config(QuantContext(qc, torch.bfloat16, torch.device("cuda")))
     assert "\n" not in str(err.value) and "at least 32 columns" in str(err.value) and str(block) in str(err.value)
+
+
+# -- online block-wise FP8 (--fp8.online-block) ---------------------------------------------------------
+
+ONLINE_BLOCK = {"fp8": {"online_block": "16x16"}}  # fp8_checkpoints.BLOCK
+
+
+def test_online_blocks_equal_the_block_checkpoint_of_the_same_weights(hf_model, tmp_path):
+    """A bf16 checkpoint quantized online to 16 x 16 blocks is the block-wise checkpoint written from
+    the same weights: the same FP8 bytes and scales, so the same tokens and logprobs, exactly (both
+    quantize activations per 1 x 16 group). Channel scales or another block size would differ."""
+    hf_model.save_pretrained(tmp_path / "bf16")
+    write_fp8_checkpoint(hf_model, tmp_path / "block", "block")
+    online, out = engine_greedy(tmp_path / "bf16", quantization="fp8", plugin_options=ONLINE_BLOCK)
+    stored, want = engine_greedy(tmp_path / "block")
+    layers = quantized_layers(online)
+    assert len(layers) == 8 and all(m.scheme.online and m.scheme.block == (16, 16) for m in layers.values())
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        got = online.runner.model.get_submodule(f"model.layers.1.{name}")
+        ref = stored.runner.model.get_submodule(f"model.layers.1.{name}")
+        assert torch.equal(got.weight.view(torch.uint8), ref.weight.view(torch.uint8))
+        torch.testing.assert_close(got.weight_scale, ref.weight_scale_inv, rtol=0, atol=0)
+    assert out.token_ids == want.token_ids and out.logprobs == want.logprobs
+    _, wider = engine_greedy(tmp_path / "bf16", quantization="fp8", plugin_options={"fp8": {"online_block": "32x32"}})
+    assert wider.logprobs != want.logprobs  # the comparison sees the block size
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(quantization="auto"), r"^--fp8.online-block 16x16: applies to --quantization fp8 .*; got --quantization auto"),
+    (dict(quantization="fp8", plugin_options={"fp8": {"online_block": "48x16"}}),
+     r"^--fp8.online-block 48x16: layer model.layers.0.self_attn.qkv_proj has parts of \[64, 32, 32\] rows and 64 "
+     r"columns \(per rank\); expected every part a multiple of 48 and the columns of 16$"),
+    (dict(quantization="fp8", plugin_options={"fp8": {"online_block": "16"}}), r"--fp8.online-block '16': expected "
+     r"ROWSxCOLUMNS of a weight block, two integers > 0 \(e.g. 128x128\)"),
+])
+def test_online_block_refusals_are_one_line(hf_model, tmp_path, kw, message):
+    hf_model.save_pretrained(tmp_path)
+    with pytest.raises(Exception, match=message) as err:
+        Engine(str(tmp_path), **CPU, **{"plugin_options": ONLINE_BLOCK, **kw})
+    assert "\n" not in str(err.value)
+
+
+def test_online_block_over_an_fp8_checkpoint_is_refused(hf_model, tmp_path):
+    write_fp8_checkpoint(hf_model, tmp_path, "channel")
+    with pytest.raises(Exception, match=r"^--fp8.online-block 16x16: quantizes a bf16 checkpoint online, but this "
+                                        r"checkpoint is already quantized .*'compressed-tensors'\)") as err:
+        Engine(str(tmp_path), **CPU, quantization="fp8", plugin_options=ONLINE_BLOCK)
+    assert "\n" not in str(err.value)
+
+
+def test_online_blocks_of_cuda_are_at_least_32_columns():
+    from backplane.contracts import QuantContext
+    from backplane.plugins.quant_fp8.config import make_config
+    from backplane.plugins.quant_fp8.options import Fp8Options
+
+    ctx = QuantContext(None, torch.bfloat16, torch.device("cuda"), options=Fp8Options(online_block="128x128"))
+    assert make_config(ctx).scheme.block == (128, 128) and make_config(ctx).scheme.online
+    with pytest.raises(ValueError, match="at least 32 columns"):
+        make_config(QuantContext(None, torch.bfloat16, torch.device("cuda"), options=Fp8Options(online_block="128x16")))
