@@ -64,3 +64,37 @@ def test_cuda_path_replays_in_a_graph():
     graph.replay()
     torch.testing.assert_close(out, cuda_linear(scheme, x, q, s, None, None))
     assert not torch.equal(out, eager)
+
+
+def test_online_blocks_on_cuda_equal_the_block_checkpoint(tmp_path):
+    """`--fp8.online-block 128x128` on CUDA (the Triton block kernel, graphs on) gives exactly the
+    tokens and logprobs of the 128 x 128 block checkpoint written from the same bf16 weights: the
+    same FP8 bytes and scales through the same kernels."""
+    import sys
+    from pathlib import Path
+
+    from backplane import Engine, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fp8_checkpoints import write_fp8_checkpoint
+    from helpers_models import make_hf_model, tiny_hf_config
+
+    config = tiny_hf_config("LlamaForCausalLM", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64)
+    hf_model = make_hf_model(config, seed=5).to(torch.bfloat16)  # what the online path quantizes: bf16 weights
+    hf_model.save_pretrained(tmp_path / "bf16")
+    write_fp8_checkpoint(hf_model, tmp_path / "block", "block", block=(128, 128))
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=1024, cuda_graph_bs=[1, 2])
+    prompts = [[5, 17, 33, 2, 9, 120, 44], [7, 8, 9, 10]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for name, extra in (("online", dict(quantization="fp8", plugin_options={"fp8": {"online_block": "128x128"}})),
+                        ("checkpoint", {})):
+        engine = Engine(str(tmp_path / ("bf16" if name == "online" else "block")), **kw, **extra)
+        try:
+            outs[name] = engine.generate(input_ids=prompts, sampling_params=params)
+        finally:
+            engine.shutdown()
+    for got, want in zip(outs["online"], outs["checkpoint"]):
+        assert got.error is None and got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-6)
