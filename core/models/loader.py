@@ -17,10 +17,12 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HF_QUANT_CONFIG = "hf_quant_config.json"  # NVIDIA ModelOpt's older exports keep their quantization here
 
 
 def load_hf_config(path: str | os.PathLike):
-    """transformers' config of the local model directory `path`, with clear errors when absent."""
+    """transformers' config of the local model directory `path`, with clear errors when absent. A
+    config.json without quantization_config takes NVIDIA ModelOpt's hf_quant_config.json beside it."""
     from transformers import AutoConfig
 
     path = os.fspath(path)
@@ -39,7 +41,27 @@ def load_hf_config(path: str | os.PathLike):
     if ignored:
         logger.warning("model config '%s': %s ignores %s in transformers, and so does backplane", file,
                        config.architectures[0], ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
+    if getattr(config, "quantization_config", None) is None:
+        modelopt = _modelopt_quant_config(Path(path) / HF_QUANT_CONFIG)
+        if modelopt is not None:
+            config.quantization_config = modelopt
     return config
+
+
+def _modelopt_quant_config(file: Path) -> dict[str, Any] | None:
+    """An hf_quant_config.json ({"producer": ..., "quantization": {"quant_algo": ...}}, written by
+    NVIDIA ModelOpt beside a config.json without quantization_config) as that quantization_config:
+    its contents with quant_method "modelopt". None when there is no such file."""
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"'{file}': cannot read it as JSON: {one_line(exc)}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+        raise ValueError(f"'{file}': expected a JSON object with a \"quantization\" object (NVIDIA ModelOpt's "
+                         f"quant_algo, exclude_modules), got {_short(data)}")
+    return {"quant_method": "modelopt", **data}
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:

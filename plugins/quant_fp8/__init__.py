@@ -3,7 +3,10 @@
 Loads compressed-tensors FP8 checkpoints (per-channel or per-tensor weight scales; dynamic
 per-token or static per-tensor activation scales; block scales), the block-wise "fp8" format of
 Qwen3-FP8 and DeepSeek (128x128 weight blocks, `weight_scale_inv`, dynamic 1x128 activation groups)
-and its per-tensor variant, and quantizes a bf16 checkpoint online (`--quantization fp8`: per-channel
+and its per-tensor variant, Meta's "fbgemm_fp8" (per-channel scales, per-token activations whose
+scale is bounded by activation_scale_ub), NVIDIA ModelOpt's "modelopt" with quant_algo FP8
+(per-tensor weight and static input scales; also from an hf_quant_config.json beside config.json,
+which the core reads), and quantizes a bf16 checkpoint online (`--quantization fp8`: per-channel
 weight scales, dynamic per-token activations; with `--fp8.online-block 128x128`, block scales and
 1 x 128 activation groups as the block-wise checkpoints have them).
 
@@ -20,7 +23,7 @@ from backplane import hookimpl
 from backplane import QuantMethodSpec
 
 NAME = "fp8"
-FORMATS = ("compressed-tensors", "fp8")
+FORMATS = ("compressed-tensors", "fp8", "fbgemm_fp8", "modelopt")
 
 
 def _available() -> str | None:

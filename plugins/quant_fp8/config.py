@@ -1,8 +1,15 @@
 """Reading `quantization_config` into an Fp8Scheme: which scales the checkpoint holds and how the
-activations are quantized. Anything quant_fp8 cannot load is one ValueError line naming the field."""
+activations are quantized. Anything quant_fp8 cannot load is one ValueError line naming the field.
+
+quant_method: "compressed-tensors"; "fp8" (block-wise or per-tensor); "fbgemm_fp8" (Meta: per-channel
+weight_scale [N, 1], per-token activations whose row max is bounded by activation_scale_ub); "modelopt"
+(NVIDIA ModelOpt, quant_algo FP8: per-tensor weight_scale and static input_scale).
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import math
 from typing import Any
 
 import torch
@@ -12,6 +19,9 @@ from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 ACTIVATION_STRATEGIES = ("tensor", "token", "group")
+FBGEMM_SCALE_UB = 1200.0  # transformers' FbgemmFp8Config default activation_scale_ub
+MODELOPT_ALGOS = ("FP8",)  # ModelOpt's quant_algo values quant_fp8 loads (NVFP4, INT4_AWQ, ... are other methods)
+MODELOPT = Fp8Scheme(weights="tensor", activations="tensor", static_input=True)
 
 
 ONLINE = Fp8Scheme(weights="channel", activations="token", online=True)
@@ -53,6 +63,10 @@ class Fp8Config(QuantConfig):
 
 def expert_quant_of(scheme: Fp8Scheme, prefix: str) -> ExpertQuant:
 
+    if scheme.activation_scale_ub is not None:
+        raise ValueError(f"quant_fp8: MoE layer {prefix}: per-token activations bounded by activation_scale_ub "
+                         f"{scheme.activation_scale_ub} (fbgemm_fp8) are not supported by the MoE experts; expected "
+                         "unbounded dynamic activations")
     if scheme.static_input or scheme.activations == "none":
         what = "static input_scale" if scheme.static_input else "weight-only (no input_activations)"
         raise ValueError(f"quant_fp8: MoE layer {prefix}: {what} FP8 experts are not supported; expected dynamic "
@@ -76,8 +90,13 @@ def make_config(ctx) -> Fp8Config:
         raise ValueError(f"--fp8.online-block {ctx.options.online_block}: quantizes a bf16 checkpoint online, but this "
                          f"checkpoint is already quantized (quantization_config quant_method "
                          f"{qc.get('quant_method')!r}); expected no --fp8.online-block with it")
-    if qc.get("quant_method") == "fp8":
+    method = qc.get("quant_method")
+    if method == "fp8":
         config = Fp8Config(_fp8_scheme(qc), _names(qc, "modules_to_not_convert") + _names(qc, "ignored_layers"))
+    elif method == "fbgemm_fp8":
+        config = Fp8Config(_fbgemm_scheme(qc), _names(qc, "modules_to_not_convert"))
+    elif method == "modelopt":
+        config = _modelopt_config(qc)
     else:
         config = Fp8Config(_compressed_tensors_scheme(qc), _names(qc, "ignore"))
     _check_block_for_device(config.scheme, torch.device(ctx.device))
@@ -96,10 +115,10 @@ def _check_block_for_device(scheme: Fp8Scheme, device: torch.device) -> None:
                          "fix: --device cpu, or requantize with wider blocks")
 
 
-def _names(qc: dict[str, Any], key: str) -> tuple[str, ...]:
+def _names(qc: dict[str, Any], key: str, where: str = "quantization_config") -> tuple[str, ...]:
     value = qc.get(key) or ()
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"quantization_config.{key} = {value!r}: expected a list of module names")
+        raise ValueError(f"{where}.{key} = {value!r}: expected a list of module names")
     return tuple(value)
 
 
@@ -126,6 +145,52 @@ def _fp8_scheme(qc: dict[str, Any]) -> Fp8Scheme:
                          "quantizes activations dynamically per 1 x block group; expected activation_scheme 'dynamic'")
     return Fp8Scheme(weights="block", activations="group", block=_block(qc["weight_block_size"], "weight_block_size"),
                      scale_name="weight_scale_inv")
+
+
+def _fbgemm_scheme(qc: dict[str, Any]) -> Fp8Scheme:
+    """Meta's fbgemm_fp8 (transformers' FbgemmFp8Config): weight_scale [N, 1] per channel; each token
+    quantized with scale min(max |x|, activation_scale_ub) / 448, larger values saturating."""
+    ub = qc.get("activation_scale_ub", FBGEMM_SCALE_UB)
+    if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not math.isfinite(ub) or ub <= 0:
+        raise ValueError(f"quantization_config.activation_scale_ub = {ub!r}: expected a number > 0, the bound on "
+                         f"each token's max |x| (transformers' default {FBGEMM_SCALE_UB})")
+    return Fp8Scheme(weights="channel", activations="token", activation_scale_ub=float(ub))
+
+
+def _modelopt_config(qc: dict[str, Any]) -> Fp8Config:
+    """NVIDIA ModelOpt, quant_algo FP8. Its fields sit in quantization_config itself or, as in the
+    hf_quant_config.json of older exports, under "quantization". exclude_modules (or "ignore") are
+    ModelOpt's wildcards over the whole module name ("*" spans dots), or plain names."""
+    nested = "quantization" in qc
+    fields, where = (qc["quantization"], "quantization_config.quantization") if nested else (qc, "quantization_config")
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where} = {fields!r}: expected an object with quant_algo, kv_cache_quant_algo, exclude_modules")
+    algo = fields.get("quant_algo")
+    if not isinstance(algo, str) or algo.upper() not in MODELOPT_ALGOS:
+        raise ValueError(f"{where}.quant_algo = {algo!r}: quant_fp8 loads ModelOpt FP8 checkpoints (per-tensor weight "
+                         f"and static input scales); expected one of: {', '.join(MODELOPT_ALGOS)}")
+    _check_modelopt_kv_cache(fields, where)
+    patterns = _names(fields, "exclude_modules", where) + _names(fields, "ignore", where)
+    return Fp8Config(MODELOPT, tuple(_wildcard(p) for p in patterns))
+
+
+def _check_modelopt_kv_cache(fields: dict[str, Any], where: str) -> None:
+    """An FP8 KV cache (its k_scale / v_scale load with the weights) or none; anything else is refused."""
+    algo = fields.get("kv_cache_quant_algo")
+    if algo is not None and (not isinstance(algo, str) or algo.upper() != "FP8"):
+        raise ValueError(f"{where}.kv_cache_quant_algo = {algo!r}: expected 'FP8' or null (the only KV cache "
+                         "quantization backplane serves)")
+    scheme = fields.get("kv_cache_scheme")
+    if scheme is not None and not (isinstance(scheme, dict) and scheme.get("type") == "float"
+                                   and scheme.get("num_bits") == 8):
+        raise ValueError(f"{where}.kv_cache_scheme = {scheme!r}: expected an 8-bit float KV cache (type float, "
+                         "num_bits 8) or none")
+
+
+def _wildcard(pattern: str) -> str:
+    """A ModelOpt exclude pattern as a core ignore pattern: a wildcard becomes "re:" and its regular
+    expression (matched against the whole name); a plain name stays one."""
+    return f"re:{fnmatch.translate(pattern)}" if any(c in pattern for c in "*?[") else pattern
 
 
 def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme:

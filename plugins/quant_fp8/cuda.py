@@ -10,9 +10,11 @@
   weight-only (no activation quantization): the dequantizing reference
 
 Per-token and per-group activations are quantized by kernels.quantize_rows (or inside the GEMM),
-with the numbers quantize.py gives on CUDA. Launches come from a table per card,
-`configs/<torch.cuda.get_device_name(), spaces as underscores>.json` beside this module, written by
-tune.py:
+with the numbers quantize.py gives on CUDA; a per-token bound (Fp8Scheme.activation_scale_ub,
+fbgemm_fp8) goes to both, so every path takes scale = min(amax, ub) / 448.
+
+Launches come from a table per card, `configs/<torch.cuda.get_device_name(), spaces as
+underscores>.json` beside this module, written by tune.py:
 
     {"device": "NVIDIA H100 80GB HBM3", "tuned": true, "triton": "3.6.0", "torch": "2.11.0",
      "entries": [{"kernel": "channel", "N": 6144, "K": 4096, "tokens": 8, "use": "triton",
@@ -76,14 +78,17 @@ def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight
     if scheme.activations == "tensor":  # static or dynamic: one scale, from torch
         q, x_scale = quantize_input(scheme, x, input_scale)
         return channel_matmul(q, weight, weight_scale, bias, launch, counters, x_scale, out_dtype=x.dtype)
-    return channel_matmul(x, weight, weight_scale, bias, launch, counters)
+    return channel_matmul(x, weight, weight_scale, bias, launch, counters, scale_ub=scheme.activation_scale_ub)
 
 
 def _rowwise(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """_scaled_mm with row-wise scales: scale_a [M, 1] per token, scale_b [1, N] per output channel."""
     m, n = x.shape[0], weight.shape[0]
-    q, x_scale = quantize_rows(x) if scheme.activations == "token" else quantize_input(scheme, x, input_scale)
+    if scheme.activations == "token":
+        q, x_scale = quantize_rows(x, scale_ub=scheme.activation_scale_ub)
+    else:
+        q, x_scale = quantize_input(scheme, x, input_scale)
     scale_a = x_scale.float().reshape(-1, 1).expand(m, 1).contiguous()
     scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()  # [N, 1] or [] -> [1, N]
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)

@@ -8,6 +8,10 @@
   block_matmul    y = sum over K blocks kb of (xq @ wq^T)_kb * sx[m, kb] * sw[n // bn, kb] (+ bias):
                   128 x 128 weight blocks, both scales applied once per K step
 
+Per-token scales take an optional upper bound on each row's max |x| (`scale_ub`, fbgemm_fp8's
+activation_scale_ub, a compile-time constant: 0 for none): scale = min(amax, ub) / 448, wherever a
+row is quantized (quantize_rows, or inside channel_matmul).
+
 At decode sizes (M up to ~64) a GEMM only streams its FP8 weight: one program per BLOCK_N output
 columns and (split-K) per slice of K, so that enough programs read the weight at once to fill the
 card. With split_k > 1 every program stores its fp32 partial tile in a workspace and bumps its
@@ -79,6 +83,15 @@ def _scale_of(amax):
 
 
 @triton.jit
+def _row_scale_of(amax, SCALE_UB: tl.constexpr):
+    """A row's dynamic scale with the per-token upper bound: _scale_of(min(amax, SCALE_UB)); SCALE_UB
+    0 is no bound (then exactly _scale_of(amax))."""
+    if SCALE_UB > 0:
+        amax = tl.minimum(amax, SCALE_UB)
+    return _scale_of(amax)
+
+
+@triton.jit
 def _to_fp8(x, scale):
     """fp32 x / scale, clamped to +-448, rounded to e4m3 (nearest, ties to even)."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
@@ -132,9 +145,9 @@ def _write_tile(acc, bias_ptr, y_ptr, rm, rn, N, mask, stride_ym, HAS_BIAS: tl.c
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
-                     NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr):
+                     NUM_GROUPS: tl.constexpr, PER_ROW: tl.constexpr, SCALE_UB: tl.constexpr):
     """One row per program, held as a [NUM_GROUPS, GROUP] tile: q = x / scale in fp8, and one scale
-    for the row (PER_ROW) or one per GROUP columns."""
+    for the row (PER_ROW; its max |x| bounded by SCALE_UB unless 0) or one per GROUP columns."""
     m = tl.program_id(0)
     g = tl.arange(0, NUM_GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -142,7 +155,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GR
     x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [NUM_GROUPS]
     if PER_ROW:
-        scale = _scale_of(tl.max(amax, axis=0))
+        scale = _row_scale_of(tl.max(amax, axis=0), SCALE_UB)
         tl.store(s_ptr + m * stride_sm, scale)
         q = _to_fp8(x, scale)
     else:
@@ -152,16 +165,21 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GR
     tl.store(q_ptr + m * stride_qm + cols, q, mask=mask)
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] fp8, scale fp32): [M, 1] per token (group None), [M, K / group] per group.
     The same numbers as quantize.quantize_per_token / quantize_per_group on CUDA; a row longer than
-    MAX_ROW, or a group that is not a power of two, is quantized by those functions."""
+    MAX_ROW, or a group that is not a power of two, is quantized by those functions. scale_ub: the
+    per-token bound on each row's max |x| (quantize_per_token's; not with groups)."""
     m, k = x.shape
     if group is not None and k % group:
         raise ValueError(f"quantize_rows: K = {k} is not a multiple of the group size {group}")
+    if group is not None and scale_ub is not None:
+        raise ValueError(f"quantize_rows: scale_ub {scale_ub} with group {group}: expected none (it bounds per-token "
+                         "scales)")
     pow2 = group is None or group & (group - 1) == 0
     if k > MAX_ROW or not pow2:
-        return fq.quantize_per_token(x) if group is None else fq.quantize_per_group(x, group)
+        return fq.quantize_per_token(x, scale_ub) if group is None else fq.quantize_per_group(x, group)
     x = x if x.stride(1) == 1 else x.contiguous()
     tile = QUANT_GROUP if group is None else group
     q = torch.empty(m, k, dtype=fq.FP8, device=x.device)
@@ -169,7 +187,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     if m:
         num_groups = triton.next_power_of_2(triton.cdiv(k, tile))
         _quantize_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), GROUP=tile,
-                               NUM_GROUPS=num_groups, PER_ROW=group is None,
+                               NUM_GROUPS=num_groups, PER_ROW=group is None, SCALE_UB=_bound(scale_ub),
                                num_warps=min(16, max(4, num_groups * tile // 1024)))
     return q, scale
 
@@ -179,12 +197,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
 @triton.jit
 def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                     stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
-                    FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr, SCALE_UB: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (n, s, m): output tile m x n over K slice s. x fp8 [M, K] with scales sx (stride 0:
     one scale), or (FUSE_QUANT) x in the model dtype, quantized per row here: first the rows' maxima
-    over all of K, then each K step as it is loaded. ONE_ROW (M = 1): x is quantized as one row and
-    broadcast to the tile's rows, not BLOCK_M copies of it. w [N, K] fp8."""
+    over all of K (bounded by SCALE_UB unless 0), then each K step as it is loaded. ONE_ROW (M = 1):
+    x is quantized as one row and broadcast to the tile's rows, not BLOCK_M copies of it. w [N, K] fp8."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,14 +218,14 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
         for step in range(0, steps):
             k = step * BLOCK_K + rk
             amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)))
-        row_scale = _scale_of(tl.max(amax, axis=0))
+        row_scale = _row_scale_of(tl.max(amax, axis=0), SCALE_UB)
         sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + row_scale
     elif FUSE_QUANT:
         amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for step in range(0, steps):
             k = step * BLOCK_K + rk
             amax = tl.maximum(amax, tl.abs(tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)))
-        sx = _scale_of(tl.max(amax, axis=1))
+        sx = _row_scale_of(tl.max(amax, axis=1), SCALE_UB)
     else:
         sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -287,12 +305,13 @@ def new_counters(weight: torch.Tensor) -> torch.Tensor:
 
 def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                    launch: Launch, counters: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, scale_ub: float | None = None) -> torch.Tensor:
     """y [M, N] = (xq @ weight^T) * sx * weight_scale (+ bias), in out_dtype (default x's dtype).
 
-    x [M, K]: in the model dtype, quantized here per token; or fp8 with x_scale [M, 1] or [] (per
-    tensor). weight [N, K] fp8 row-major; weight_scale [N, 1] or [] fp32; bias [N]. counters: from
-    new_counters(weight), else zeros are allocated when the launch splits K."""
+    x [M, K]: in the model dtype, quantized here per token (each row's max |x| bounded by scale_ub
+    when given); or fp8 with x_scale [M, 1] or [] (per tensor). weight [N, K] fp8 row-major;
+    weight_scale [N, 1] or [] fp32; bias [N]. counters: from new_counters(weight), else zeros are
+    allocated when the launch splits K."""
     out_dtype = out_dtype or x.dtype
     sw = weight_scale.reshape(-1)
     if sw.numel() not in (1, weight.shape[0]) or (x_scale is not None and x_scale.numel() not in (1, x.shape[0])):
@@ -300,11 +319,18 @@ def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
                          f"{None if x_scale is None else tuple(x_scale.shape)}: expected one scale or one per "
                          "output channel (weight) and per token (x)")
     if x_scale is None and not launch.fuse_quant:
-        x, x_scale = quantize_rows(x)
+        x, x_scale = quantize_rows(x, scale_ub=scale_ub)
     sx = x_scale.reshape(-1) if x_scale is not None else sw  # unread when x is quantized in the GEMM
     return _launch(_channel_kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
-                   launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0),
+                   launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0, SCALE_UB=_bound(scale_ub)),
                    (int(sx.numel() > 1), int(sw.numel() > 1)))
+
+
+def _bound(scale_ub: float | None) -> float:
+    """The kernels' SCALE_UB constant: the bound, or 0.0 for none."""
+    if scale_ub is not None and not scale_ub > 0:
+        raise ValueError(f"scale_ub {scale_ub}: expected a bound > 0 on the rows' max |x|, or None")
+    return 0.0 if scale_ub is None else float(scale_ub)
 
 
 def block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],

@@ -18,9 +18,14 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] fp8, scale [M, 1]), one dynamic scale per row."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+def quantize_per_token(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] fp8, scale [M, 1]), one dynamic scale per row. scale_ub (fbgemm_fp8's
+    activation_scale_ub): each row's max |x| is first clamped to it, so a row reaching beyond it
+    saturates at +-448 * scale instead of widening its scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    if scale_ub is not None:
+        amax = amax.clamp(max=scale_ub)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return _to_fp8(x, scale), scale
 
 

@@ -12,7 +12,7 @@ from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 def quantize_input(scheme: Fp8Scheme, x: torch.Tensor, input_scale: torch.Tensor | None):
     """x [M, K] -> (q fp8 [M, K], scale): [] per tensor, [M, 1] per token, [M, K / bk] per group."""
     if scheme.activations == "token":
-        return fq.quantize_per_token(x)
+        return fq.quantize_per_token(x, scheme.activation_scale_ub)
     if scheme.activations == "group":
         return fq.quantize_per_group(x, scheme.block[1])
     return fq.quantize_per_tensor(x, input_scale)
