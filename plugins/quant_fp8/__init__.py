@@ -44,7 +44,7 @@ def _factory(ctx):
 def backplane_register_quant_methods(register):
     register(QuantMethodSpec(
         name=NAME, factory=_factory,
-        description="FP8 e4m3 weights and activations: compressed-tensors, block-wise fp8, online",
+        description="FP8 e4m3 weights and activations: compressed-tensors, block-wise fp8, fbgemm_fp8, ModelOpt, online",
         checkpoint_formats=FORMATS, supports_online=True,
         # LoRA: adapters in the model dtype over the FP8 base (backplane.lora.layers); the folded
         # decode path is declined for a quantized base, the unfolded LoRA kernels run instead.

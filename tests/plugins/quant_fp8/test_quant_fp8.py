@@ -118,7 +118,7 @@ def test_auto_follows_the_checkpoint(registry):
 @pytest.mark.parametrize("name, fmt, kw, message", [
     ("int4", "fp8", {}, r"^--quantization: unknown backend 'int4'; registered: fp8 \(plugin 'quant_fp8'\), or 'auto'"),
     ("fp8", "awq", {}, r"^--quantization fp8 \(plugin 'quant_fp8'\) cannot run here: cannot load quant_method 'awq' "
-                       r"checkpoints \(loads: compressed-tensors, fp8\)\. Usable here: none$"),
+                       r"checkpoints \(loads: compressed-tensors, fp8, fbgemm_fp8, modelopt\)\. Usable here: none$"),
     ("auto", "awq", {}, r"^--quantization auto: no registered quantization method loads quant_method 'awq' checkpoints; "
                         r"registered: fp8 \(plugin 'quant_fp8'\)"),
     ("none", "fp8", {}, r"^--quantization none: the checkpoint is quantized .*expected auto or one of: fp8$"),
