@@ -1,6 +1,6 @@
 """`backplane serve` runs its engine in a child process: the pid differs, the engine dies with the
 server, an engine that dies fails its requests and /health, startup errors read as before, and
---engine-in-thread still serves from one process."""
+--engine-in-thread still serves from one process; both modes serve the offline Engine's tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from backplane import Engine, SamplingParams
 from backplane.engine.engine_process import EXIT_GRACE_S
 from helpers_server import TINY, LiveServer
 
@@ -53,11 +54,23 @@ def server():
     live.stop()
 
 
-def test_the_engine_runs_in_a_child_process_and_stops_with_sigterm(server):  # R71
+@pytest.fixture(scope="module")
+def reference():
+    """SHORT's greedy output from an offline Engine on TINY's model and flags: what the server serves
+    in either mode. (One reference for both modes instead of a second server: a server start costs
+    the CPU suite ~6 s.)"""
+    engine = Engine("tiny-llama", device="cpu", attention_backend="torch_native", max_total_tokens=16384)
+    params = SamplingParams(max_new_tokens=SHORT["max_tokens"], temperature=0.0, ignore_eos=True)
+    return engine.generate(input_ids=[SHORT["prompt"]], sampling_params=params)[0]
+
+
+def test_the_engine_runs_in_a_child_process_and_stops_with_sigterm(server, reference):  # R71
     pid = _engine_pid(server)
     assert pid != server.proc.pid and _parent_of(pid) == server.proc.pid
     r = httpx.post(f"{server.url}/v1/completions", json=SHORT, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 6
+    out = r.json()["choices"][0]
+    assert out["token_ids"] == reference.token_ids and out["text"] == reference.text
     assert server.terminate() == 0, server.output()
     assert _wait_gone(pid, 5.0)
 
@@ -86,13 +99,14 @@ def test_a_dead_engine_fails_requests_in_flight_and_health(server):  # R70
     assert server.terminate() == 0, server.output()
 
 
-def test_engine_in_thread_serves_the_same_tokens(server):
-    ref = httpx.post(f"{server.url}/v1/completions", json=SHORT, timeout=30).json()["choices"][0]
+def test_engine_in_thread_serves_the_same_tokens(reference):
+    """The same tokens and text as the offline Engine, which the child-process server serves too
+    (test_the_engine_runs_in_a_child_process_and_stops_with_sigterm)."""
     threaded = LiveServer(*TINY, "--engine-in-thread")
     try:
         assert _engine_pid(threaded) == threaded.proc.pid
         out = httpx.post(f"{threaded.url}/v1/completions", json=SHORT, timeout=30).json()["choices"][0]
-        assert out["token_ids"] == ref["token_ids"] and out["text"] == ref["text"]
+        assert out["token_ids"] == reference.token_ids and out["text"] == reference.text
         assert threaded.terminate() == 0, threaded.output()
     finally:
         threaded.stop()

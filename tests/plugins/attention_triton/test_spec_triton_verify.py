@@ -25,8 +25,14 @@ def _generate(**kw) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    """Plain greedy decoding, the same for both kernels' runs (computed once)."""
+    return _generate()
+
+
 @pytest.mark.parametrize("verify_kernel", ["extend", "split"])
-def test_ngram_greedy_equals_plain_with_each_verify_kernel(verify_kernel, monkeypatch):
+def test_ngram_greedy_equals_plain_with_each_verify_kernel(verify_kernel, plain, monkeypatch):
     from backplane.plugins.attention_triton import backend
 
     calls = {"split": 0, "extend": 0}
@@ -37,7 +43,6 @@ def test_ngram_greedy_equals_plain_with_each_verify_kernel(verify_kernel, monkey
             return fn(*args, **kwargs)
         return wrapper
 
-    plain = _generate()
     monkeypatch.setattr(backend, "verify_attention", counted("split", backend.verify_attention))
     monkeypatch.setattr(backend, "extend_attention", counted("extend", backend.extend_attention))
     spec = _generate(speculative_algorithm="ngram", speculative_num_draft_tokens=4,
