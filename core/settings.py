@@ -68,8 +68,9 @@ class EngineArgs(BaseSettings):
     quantization: str = Field(
         "auto", description="registered quantization method (NAME or NAME@PLUGIN), auto (follow the checkpoint's "
         "quantization_config; a bf16 checkpoint stays bf16) or none")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="KV cache dtype: auto (the model dtype) or fp8_e4m3 (per-tensor k/v scales)")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8"] = Field(
+        "auto", description="KV cache dtype: auto (the model dtype) or fp8_e4m3 (per-tensor k/v scales; fp8 is "
+        "accepted as its alias, as vLLM spells it)")
     # Backends
     attention_backend: str = Field("auto", description="registered attention backend (NAME or NAME@PLUGIN) or auto")
     prefill_attention_backend: str | None = Field(None, description="default: --attention-backend")
@@ -121,6 +122,11 @@ class EngineArgs(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="logging")
     # Plugin option groups, filled from --<group>.<option> and BACKPLANE_<GROUP>__<OPTION>.
     plugin_options: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_cache_alias(cls, value: Any) -> Any:
+        return "fp8_e4m3" if value == "fp8" else value  # vLLM's name of the same e4m3 cache
 
     @field_validator("custom_ops", "lora_paths", "cuda_graph_bs", mode="before")
     @classmethod

@@ -40,7 +40,7 @@ SAMPLES = {
     "cuda_graph_max_bs": (["64"], "64", 64),
     "disable_extend_graph": ([], "true", True),
     "quantization": (["fp8"], "fp8", "fp8"),
-    "kv_cache_dtype": (["fp8_e4m3"], "fp8_e4m3", "fp8_e4m3"),
+    "kv_cache_dtype": (["fp8"], "fp8", "fp8_e4m3"),  # vLLM's alias, stored as the one dtype it names
     "cuda_graph_max_tokens": (["256"], "256", 256),
     "cuda_graph_max_extend_bs": (["4"], "4", 4),
     "disable_cuda_graph": ([], "true", True),
@@ -161,3 +161,11 @@ def test_engine_arguments_group_and_the_deprecated_alias(capsys):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "engine arguments:" in out and "server arguments" not in out
+
+
+def test_kv_cache_dtype_fp8_is_the_e4m3_cache_and_e5m2_is_refused(plugin_set):
+    assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert EngineArgs(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(Exception, match="fp8_e5m2") as err:
+        EngineArgs(kv_cache_dtype="fp8_e5m2")
+    assert "fp8_e4m3" in str(err.value)
