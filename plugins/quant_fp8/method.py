@@ -97,13 +97,12 @@ class Fp8LinearMethod(QuantMethod):
             self.scheme_key = scheme_key(self.scheme)
 
     def _quantize_blocks(self, layer: nn.Module) -> None:
-        """The loaded weight -> FP8 blocks, part by part (the scale rows of a checkpoint's fused layer)."""
+        """The loaded weight -> FP8 blocks. Every part is a multiple of the block's rows
+        (_check_online_blocks), so the whole weight's blocks are each part's, as a checkpoint has them."""
         bn, bk = self.scheme.block
-        parts = list(layer.partition().output_partition_sizes)
-        pieces = [fq.quantize_weight_blocks(part, bn, bk) for part in layer.weight.data.split(parts, 0)]
-        layer.weight = new_parameter(torch.cat([q for q, _ in pieces]), WEIGHT)
-        layer.register_parameter(self.scheme.scale_name, new_parameter(torch.cat([s for _, s in pieces]),
-                                                                       ShardLayout(0, 1, bn, bk)))
+        weight, scale = fq.quantize_weight_blocks(layer.weight.data, bn, bk)
+        layer.weight = new_parameter(weight, WEIGHT)
+        layer.register_parameter(self.scheme.scale_name, new_parameter(scale, ShardLayout(0, 1, bn, bk)))
 
     def _one_tensor_scale(self, layer: nn.Module) -> None:
         """Per-part scales of a fused layer -> one scale, their maximum: each part is requantized to it
