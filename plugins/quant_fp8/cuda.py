@@ -70,8 +70,10 @@ def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight
         return block_matmul(x, weight, weight_scale, scheme.block, bias, launch, counters)
     if scheme.weights == "tensor" and scheme.activations == "tensor":
         q, x_scale = quantize_input(scheme, x, input_scale)
-        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float(), bias=bias,
-                                out_dtype=x.dtype)
+        fused_bias = bias if x.dtype != torch.float32 else None  # NOTE: _scaled_mm takes no bias with fp32 out
+        y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float(), bias=fused_bias,
+                             out_dtype=x.dtype)
+        return y if bias is None or fused_bias is not None else y + bias
     use, launch = choose(("channel", n, k, None), m, x.dtype, x.device)
     if use == "scaled_mm":
         return _rowwise(scheme, x, weight, weight_scale, input_scale, bias)
