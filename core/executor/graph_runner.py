@@ -25,6 +25,7 @@ from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combi
 from backplane.contracts.model import ModelOutput
 from backplane.models.base import ModelContext
 from backplane.executor.compiled import CompiledForward
+from backplane.executor.piecewise import capture_piecewise, release_allocator_caches
 
 if TYPE_CHECKING:
     from backplane.contracts.attention import AttentionBackend
@@ -53,9 +54,8 @@ def global_graph_pool():
 
 
 def _free_after_releasing_cache() -> int:
-    """Free device memory once the allocator's unused cache is returned (graph pools stay held)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    """Free device memory once the allocators' unused cache is returned (graph pools stay held)."""
+    release_allocator_caches()
     return torch.cuda.mem_get_info()[0]
 
 
@@ -452,8 +452,6 @@ class GraphRunner:
     def _capture_piecewise(self, key: GraphKey, batch: ForwardBatch) -> None:
         """Capture `key` in segments around the attention calls (backplane.executor.piecewise); the
         backend plans eagerly, here for the capture batch and at every replay for the padded one."""
-        from backplane.executor.piecewise import capture_piecewise
-
         if self.ctx.device.type != "cuda" or self.capture_fn is not None:
             raise GraphCaptureError(f"piecewise capture of {key} needs a CUDA device and real CUDA graphs")
         self.backend.init_forward_metadata(batch)

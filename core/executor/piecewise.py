@@ -98,6 +98,20 @@ class SegmentingBackend:
         return getattr(self.inner, name)
 
 
+def release_allocator_caches() -> None:
+    """What `torch.cuda.graph` does before it begins a capture: wait for the device, then return the
+    unused cache of the device allocator and of the pinned host allocator. The host allocator keeps
+    a graph pool whose graphs have all been freed (an earlier runner's) with a reference count of
+    zero until its cache is emptied, and a capture into that pool id before then fails its internal
+    assert (`use_count > 0`, CachingHostAllocator.h): a capture that calls `capture_begin` itself
+    must empty it first."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch
+    if host_empty_cache is not None:
+        host_empty_cache()
+
+
 def capture_piecewise(run: Callable[[Any], Any], backend: Any, pool: Any, warmup: int = 2) -> tuple[PiecewiseGraph, Any]:
     """Warm up `run(backend)` eagerly, then capture `run(segmenting backend)` in segments into
     memory pool `pool`. `run(attn_backend)` runs the forward with that backend bound in its
@@ -105,7 +119,7 @@ def capture_piecewise(run: Callable[[Any], Any], backend: Any, pool: Any, warmup
     PiecewiseGraph and the captured call's output (static: every replay overwrites it)."""
     for _ in range(warmup):
         run(backend)
-    torch.cuda.synchronize()
+    release_allocator_caches()
     graph = PiecewiseGraph(backend)
     recorder = _Recorder(graph, pool)
     stream = torch.cuda.Stream()

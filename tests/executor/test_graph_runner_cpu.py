@@ -180,3 +180,21 @@ def test_the_graph_runner_reads_a_graph_config_resolved_once():
     assert capture_batch_sizes(config, 8) == capture_batch_sizes(args, 8) == ([1, 3], [1])
     engine = Engine("tiny-llama", device="cpu")
     assert isinstance(engine.runner.graph_context().config, GraphConfig)
+
+
+def test_captures_release_the_host_allocators_cache_too(monkeypatch):
+    """Before a capture both allocators return their unused cache, as `torch.cuda.graph` does: the
+    pinned host allocator holds a graph pool whose graphs were all freed with zero references until
+    then, and a bare `capture_begin` (piecewise capture) into that pool id fails its assert."""
+    from backplane.executor import piecewise
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("device"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("host"), raising=False)
+    piecewise.release_allocator_caches()
+    assert calls == ["synchronize", "device", "host"]
+    monkeypatch.delattr(torch._C, "_host_emptyCache")  # a CPU build of torch has none: skipped
+    calls.clear()
+    piecewise.release_allocator_caches()
+    assert calls == ["synchronize", "device"]
