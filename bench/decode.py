@@ -59,9 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_settings(ns: argparse.Namespace, model: str, backend: str, variant: str) -> dict:
+    # The pool holds every request's context and steps once, plus room for the radix cache's
+    # leftovers; twice that (the old size) did not fit two 8B engines at bs 8 x 16k on an 80 GB card.
     bs = max(ns.batch_sizes)
     return dict(model=model, device=ns.device, attention_backend=backend, max_running_requests=bs,
-                max_total_tokens=2 * bs * (ns.context + ns.steps + 64), cuda_graph_bs=ns.batch_sizes,
+                max_total_tokens=bs * (ns.context + ns.steps + 64) + 8192, cuda_graph_bs=ns.batch_sizes,
                 chunked_prefill_size=max(8192, ns.context), tp_size=ns.tp_size, **VARIANTS[variant])
 
 
