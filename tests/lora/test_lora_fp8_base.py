@@ -8,7 +8,8 @@ LoRA delta still reads the unquantized activations, as over the FP8 base), runni
 with the torch_native backend. Both LoRA backends over the FP8 base (triton interpreted on CPU,
 fp32) must generate what it does, in a batch mixing adapter and base-only requests; the triton
 backend's folded decode path is declined for the quantized base, and its summary says so.
-The `gpu` test runs both backends in bf16 over online FP8 (torch._scaled_mm) with CUDA graphs.
+The bf16 tests (CPU, and `gpu` with both backends over online FP8 and CUDA graphs) compare with the
+exact logits instead: the same reference in fp32 on CPU, within a bound measured for bf16 over FP8.
 """
 
 from __future__ import annotations
@@ -166,6 +167,75 @@ def test_triton_over_fp8_declines_the_folded_path_and_equals_the_reference(world
     assert_same_generation(got, want)
 
 
+# NOTE: bf16 over FP8 is far from the exact (fp32) logits, and no bf16 reference is closer: a bf16
+# rounding upstream moves some activations across an FP8 rounding boundary (per-token activations
+# keep 3 mantissa bits), so every bf16 pipeline differs from the exact logits by about 7% of their
+# norm, where bf16 without activation quantization differs by about 1%. Measured on CPU over 13 tiny
+# worlds (seeds 0-12; logits std about 0.8), prefill and decode: the bf16 FP8 engine against the
+# exact logits 0.062-0.097 relative (Frobenius), max |diff| 0.18-0.38; the bf16 dequantized reference
+# against the bf16 FP8 engine max 0.19-0.34, 1-7% of the elements over atol 0.1 / rtol 0.05 (the GPU
+# measured 0.30 and 4.3% between those two). A 25% error in every weight scale: 0.24-0.49 relative,
+# max 0.79-2.0. So the bound sits between the two. (The same error in one layer's scale alone, 0.11-0.14
+# relative, is within this noise; the kernel tests of quant_fp8 check each layer's arithmetic.)
+BF16_OVER_FP8_REL = 0.15  # ||got - exact|| / ||exact||
+BF16_OVER_FP8_MAX = 0.6  # max |got - exact|
+
+
+def exact_logits(world, reference_dir: Path, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward_requests' (prefill, decode) logits of the dequantized reference in fp32 on CPU, its
+    base layers' inputs quantized per token: the FP8 engine's arithmetic without rounding."""
+    engine = Engine(str(reference_dir), **ENGINE, lora_paths=world.lora_paths(), lora_backend="torch_native")
+    try:
+        assert quantize_base_inputs(engine, "channel") > 0
+        return forward_requests(engine, PROMPTS, MIXED, next_tokens)
+    finally:
+        engine.shutdown()
+
+
+def bf16_error(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """(||got - exact|| / ||exact||, max |got - exact|) of logits."""
+    diff = got.float() - exact
+    return float(diff.norm() / exact.norm()), float(diff.abs().max())
+
+
+def assert_within_bf16_over_fp8(got: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    rel, top = bf16_error(got, exact)
+    assert rel <= BF16_OVER_FP8_REL and top <= BF16_OVER_FP8_MAX, (
+        f"{what}: {rel:.3f} relative, max |diff| {top:.3f} from the exact logits; expected bf16 over FP8 "
+        f"within {BF16_OVER_FP8_REL} and {BF16_OVER_FP8_MAX}")
+
+
+def plant_scale_error(engine, factor: float = 1.25) -> None:
+    """Every FP8 base layer's weight scale off by `factor` (in place: CUDA graphs read it)."""
+    for layer in engine.lora_manager.layers:
+        layer.base_layer.weight_scale.data.mul_(factor)
+
+
+def assert_planted_error_caught(engine, exact, next_tokens: list[int]) -> None:
+    plant_scale_error(engine)
+    for got, want in zip(forward_requests(engine, PROMPTS, MIXED, next_tokens), exact):
+        rel, top = bf16_error(got, want)
+        assert rel > BF16_OVER_FP8_REL, f"a 25% scale error passes the bound ({rel:.3f} relative, max {top:.3f})"
+
+
+def test_bf16_over_fp8_on_cpu_is_within_the_bound_of_the_exact_logits(world, tmp_path):
+    """The bound's calibration on CPU (the reference path in a bf16 model, LoRA in bf16): inside it,
+    and a 25% error in the weight scales outside it."""
+    ref_dir = tmp_path / "dequantized"
+    write_dequantized_base(world.base_dir, ref_dir, per_channel_dequantized(world))
+    next_tokens = [11, 12, 13, 14]
+    exact = exact_logits(world, ref_dir, next_tokens)
+    engine = Engine(str(world.base_dir), **{**ENGINE, "dtype": "bfloat16"}, quantization="fp8",
+                    lora_paths=world.lora_paths(), lora_backend="torch_native")
+    try:
+        assert all(layer.lora_b.dtype == torch.bfloat16 for layer in engine.lora_manager.layers)
+        for got, want, phase in zip(forward_requests(engine, PROMPTS, MIXED, next_tokens), exact, ("prefill", "decode")):
+            assert_within_bf16_over_fp8(got, want, f"bf16 {phase} on CPU")
+        assert_planted_error_caught(engine, exact, next_tokens)
+    finally:
+        engine.shutdown()
+
+
 def gpu_engine(path, backend: str, **kwargs) -> Engine:
     return Engine(str(path), device="cuda", dtype="bfloat16", max_total_tokens=2048, max_running_requests=4,
                   max_loras_per_batch=2, lora_backend=backend, cuda_graph_bs=[1, 2, 4], **kwargs)
@@ -173,42 +243,39 @@ def gpu_engine(path, backend: str, **kwargs) -> Engine:
 
 @pytest.mark.gpu
 def test_gpu_both_backends_over_fp8_in_bf16(world, tmp_path):
-    """bf16 on the GPU (FP8 base through torch._scaled_mm, CUDA graphs for decode): torch_native and
-    triton (its folded path declined) give the same mixed-batch logits within bf16 rounding, both
-    within FP8-and-bf16 rounding of the dequantized reference, and the same greedy tokens; the
-    adapter changes the output."""
+    """bf16 on the GPU (FP8 base through quant_fp8's CUDA path, CUDA graphs for decode): torch_native
+    and triton (its folded path declined) give the same mixed-batch logits within bf16 rounding, both
+    within the measured bf16-over-FP8 bound of the exact logits (fp32 on CPU), which a 25% scale error
+    leaves; the same greedy tokens; the adapter changes the output."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     ref_dir = tmp_path / "dequantized"
     write_dequantized_base(world.base_dir, ref_dir, per_channel_dequantized(world))
     next_tokens = [11, 12, 13, 14]
+    exact = exact_logits(world, ref_dir, next_tokens)
     results = {}
-    for name, path, kwargs in (("reference", ref_dir, {}),
-                               ("torch_native", world.base_dir, {"quantization": "fp8"}),
-                               ("triton", world.base_dir, {"quantization": "fp8"})):
-        backend = "torch_native" if name == "reference" else name
-        engine = gpu_engine(path, backend, lora_paths=world.lora_paths(), **kwargs)
+    for name in ("torch_native", "triton"):
+        engine = gpu_engine(world.base_dir, name, lora_paths=world.lora_paths(), quantization="fp8")
         try:
-            if name == "reference":
-                quantize_base_inputs(engine, "channel")
-            else:
-                assert all(layer.base_layer.weight.dtype == torch.float8_e4m3fn for layer in engine.lora_manager.layers)
-                assert all(layer.lora_b.dtype == torch.bfloat16 for layer in engine.lora_manager.layers)
+            assert all(layer.base_layer.weight.dtype == torch.float8_e4m3fn for layer in engine.lora_manager.layers)
+            assert all(layer.lora_b.dtype == torch.bfloat16 for layer in engine.lora_manager.layers)
             if name == "triton":
                 assert "declined" in engine.backends["lora"]["decode_path"]
             logits = forward_requests(engine, PROMPTS, MIXED, next_tokens)
             outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora=MIXED)
             results[name] = logits, [o.token_ids for o in outs]
+            if name == "torch_native":
+                assert_planted_error_caught(engine, exact, next_tokens)
         finally:
             engine.shutdown()
             torch.cuda.empty_cache()
     (tn_prefill, tn_decode), tn_tokens = results["torch_native"]
     (tr_prefill, tr_decode), tr_tokens = results["triton"]
-    (ref_prefill, ref_decode), _ = results["reference"]
     torch.testing.assert_close(tr_prefill, tn_prefill, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(tr_decode, tn_decode, atol=3e-2, rtol=2e-2)
-    for got in (tn_prefill, tr_prefill):
-        torch.testing.assert_close(got, ref_prefill, atol=1e-1, rtol=5e-2)
+    for name, (prefill, decode) in (("torch_native", (tn_prefill, tn_decode)), ("triton", (tr_prefill, tr_decode))):
+        assert_within_bf16_over_fp8(prefill, exact[0], f"{name} prefill")
+        assert_within_bf16_over_fp8(decode, exact[1], f"{name} decode")
     assert tr_tokens == tn_tokens
     n, last = len(PROMPTS[0]), sum(len(p) for p in PROMPTS[:3])
     assert (tn_prefill[:n] - tn_prefill[last : last + n]).abs().max() > 0.05
