@@ -100,8 +100,8 @@ class EngineArgs(BaseSettings):
     disable_cuda_graph_padding: bool = Field(
         False, description="replay graphs only at exactly captured batch sizes (default ladder 1..32, 64, 128); "
         "other sizes run eagerly")
-    # NOTE: true by default until the extend graphs have run on a GPU (they were built in a session that
-    # got none); --no-disable-extend-graph captures them.
+    # NOTE: true by default until piecewise capture (torch_native) has replayed on a GPU: full extend
+    # capture (triton, flashinfer) passed its GPU tests on 2026-12-07; --no-disable-extend-graph captures them.
     disable_extend_graph: bool = Field(
         True, description="run prefill and extend batches eagerly (decode and verify graphs stay); default "
         "true until extend graphs are validated on a GPU: --no-disable-extend-graph captures them")
