@@ -3,7 +3,7 @@
 # machine's cold costs carried between calls (FlashInfer's JIT modules, Triton's kernel cache).
 #
 #   carry: [".device"]   (.device/ is git-ignored: site.tar.xz from ../shared/device/make-site.sh,
-#                         flashinfer-aot.tar.xz.part-*, triton-cache.tar.xz from earlier calls)
+#                         flashinfer-aot.tar.xz.part-*, triton-cache.tar.xz(.part-*) from earlier calls)
 #   command: AREAS="extend:300 fp8:90" BENCH="ttft:300 quant-decode:200" bash bench/gpu_suite.sh
 #
 # Write the commit first (the tree there has no git): git rev-parse --short HEAD > .device/commit
@@ -19,6 +19,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .device/triton-cache.tar.xz ] && tar -xJf .device/triton-cache.tar.xz -C "$TRITON_CACHE_DIR"
+ls .device/triton-cache.tar.xz.part-* >/dev/null 2>&1 && cat .device/triton-cache.tar.xz.part-* | tar -xJ -C "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "from bench.run import prepare; print(*prepare(), sep='\n')"
 OUT=${OUT:-$(mktemp -d)}
@@ -49,7 +50,10 @@ done
 python3 -c "from bench.run import save_flashinfer_aot; from pathlib import Path; import os; print(save_flashinfer_aot(Path(os.environ['OUT'])))"
 tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -3 > /tmp/triton-cache.tar.xz
 size=$(stat -c %s /tmp/triton-cache.tar.xz)
-if [ "$size" -lt 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/"; echo "triton cache: $size bytes saved"; else echo "triton cache: $size bytes, too large to bring back"; fi
+if [ "$size" -lt 15000000 ]; then cp /tmp/triton-cache.tar.xz "$OUT/"; echo "triton cache: $size bytes saved"
+elif [ "$size" -lt 30000000 ]; then  # a file comes back up to 16 MB: two parts
+  split -b 15000000 /tmp/triton-cache.tar.xz "$OUT/triton-cache.tar.xz.part-"; echo "triton cache: $size bytes saved in two parts"
+else echo "triton cache: $size bytes, too large to bring back"; fi
 n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
 if [ "$n" -gt 8 ]; then  # a call brings back 8 files: the rest would be lost
   tar -czf /tmp/suite-all.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/suite-all.tar.gz "$OUT/"
