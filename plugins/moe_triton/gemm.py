@@ -12,9 +12,13 @@ tile, so neighbouring programs reuse an expert's weight tile from L2.
 
 FP8 experts (`Scales`): the GEMM inputs (x, h) arrive quantized (FP8, with fp32 scales per row or
 per row and 1 x bk group) and the weights are FP8 with per-channel ([E, N]) or block ([E, N / bn,
-K / bk]) scales. The dots run on the FP8 values with fp32 accumulation; per-channel scales are
-applied once at the end of the K loop, block scales once per K step (BLOCK_K is then bk, so a step
-is one scale column).
+K / bk]) scales. The dots run on the FP8 values; per-channel scales are applied once at the end of
+the K loop, block scales once per K step (BLOCK_K is then bk, so a step is one scale column).
+NOTE: every FP8 K step's dot starts from zero and is added to the fp32 accumulator outside the dot.
+Hopper's FP8 wgmma (64-row tiles) keeps a reduced-precision accumulator, so a running
+`tl.dot(a, b, acc=acc)` over the whole K drifts: per-channel scales at 200 tokens (BLOCK_M 64) were
+off by up to 0.04 on an H100. (max_num_imprecise_acc does the same inside the dot, but triton 3.6
+refuses values under 32 for some tile shapes.) bf16/fp16/fp32 operands keep the running dot.
 """
 
 from __future__ import annotations
@@ -133,6 +137,9 @@ def _gate_up_kernel(
                                  k // BLOCK_K, stride_sam, stride_sak, stride_sbn, stride_sbk, GROUP_N)
             gate += tl.dot(a, g) * sa[:, None] * sg[None, :]
             up += tl.dot(a, u) * sa[:, None] * su[None, :]
+        elif SCALES == 1:  # per channel: a fresh dot per K step, summed in fp32 (the NOTE above)
+            gate += tl.dot(a, g)
+            up += tl.dot(a, u)
         else:
             gate = tl.dot(a, g, acc=gate, input_precision=PRECISION)
             up = tl.dot(a, u, acc=up, input_precision=PRECISION)
@@ -185,6 +192,8 @@ def _down_kernel(
             sa, sb = _step_scales(sa_ptr, sb_ptr + expert * stride_sbe, rows, rows_ok, offs_n, n_ok, k // BLOCK_K,
                                   stride_sam, stride_sak, stride_sbn, stride_sbk, GROUP_N)
             acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        elif SCALES == 1:  # a fresh dot per K step, summed in fp32 (the NOTE above)
+            acc += tl.dot(a, b)
         else:
             acc = tl.dot(a, b, acc=acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_hk
