@@ -91,7 +91,8 @@ GROUPS: dict[str, list[Job]] = {
     "compile": [bench("compile", "decode --models llama-3.2-1b --variants overlap compiled --rounds 3")],
     "prefill-1b": [bench("prefill-1b", "prefill --models llama-3.2-1b")],
     "prefill-8b": [bench("prefill-8b", "prefill --models llama-3.1-8b")],
-    "ttft": [bench("ttft-1b", "ttft --models llama-3.2-1b"), bench("ttft-8b", "ttft --models llama-3.1-8b")],
+    "ttft": [bench("ttft-1b", "ttft --models llama-3.2-1b --profile fresh-512 repeat-512"),
+             bench("ttft-8b", "ttft --models llama-3.1-8b")],
     "e2e-1b": [bench("e2e-1b", "e2e --model llama-3.2-1b --repeats 3")],
     "e2e-8b": [bench("e2e-8b", "e2e --model llama-3.1-8b")],
     "e2e-extend-graph": [bench("e2e-extend-graph-1b", "e2e --model llama-3.2-1b --workloads sharegpt-like "

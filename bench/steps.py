@@ -1,10 +1,12 @@
 """Engines as the benchmarks build, time and release them, and what one decode step costs measured
 from the outside: the whole `generate` loop per step, the captured decode graph's replay alone, and a
-profiler's split of a step into device kernels and the device's idle gaps. (`backplane bench` times a
-one-batch step eager and through graphs.)"""
+profiler's split of a step into device kernels and the device's idle gaps; and a profiler's split of
+one request (its host ops and Python functions, synchronisations, copies, kernels, device busy and
+idle time). (`backplane bench` times a one-batch step eager and through graphs.)"""
 
 from __future__ import annotations
 
+import collections
 import gc
 import time
 from typing import Callable, TypeVar
@@ -16,6 +18,8 @@ from bench import workload
 from bench.timing import device_gaps, device_kernels, events_ms, profiled, timed
 
 T = TypeVar("T")
+REQUEST = "bench.request"  # the profiler range of profile_request's request
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 def with_engines(settings: dict[str, dict], fn: Callable[[dict[str, Engine]], T],
@@ -130,6 +134,79 @@ def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=No
     wall, device = (long_wall - short_wall) * 1e3 / steps, sum(ms for ms, _ in kernels.values())
     return {"wall_ms": wall, "kernel_ms": device, "host_or_gap_ms": wall - device,
             "launches": sum(n for _, n in kernels.values()), "top_kernels": _top(kernels, 8), "top_gaps": _top(gaps, 6)}
+
+
+def profile_request(request: Callable[[], object], device: torch.device | str,
+                    prepare: Callable[[], object] = lambda: None, top: int = 8) -> dict:
+    """Where one request() goes, prepare() run before each of two profiled runs: request_split of the
+    first, and from the second, under the Python tracer (its overhead in every time of that run), the
+    top Python functions by self time (top_python)."""
+    def marked():
+        with torch.profiler.record_function(REQUEST):
+            return request()
+
+    prepare()
+    ops = request_split(profiled(marked, device)[0], top)
+    prepare()
+    stacks = profiled(marked, device, with_stack=True)[0]
+    return ops | {"top_python": _top(_host_self(_request_host(stacks), python=True), top)}
+
+
+def request_split(prof, top: int = 8) -> dict:
+    """A profiled request (the REQUEST range) in the profiler's clock: wall ms; the device's busy ms,
+    its idle ms between its first and last operation, before the first (lead_ms: host work nothing
+    overlaps) and after the last (tail_ms); kernels, host-to-device copies (h2d, h2d_pageable: from
+    pageable memory), device-to-host copies (d2h), synchronising runtime calls (syncs: SYNC_CALLS) and
+    item() calls (items); the top host ops by self CPU time, the top idle gaps and the top kernels,
+    each (name, ms, count)."""
+    host = _request_host(prof)
+    start, end = host.pop(REQUEST)
+    device = sorted((e.time_range.start, e.time_range.end, e.key) for e in prof.events() if _on_device(e))
+    first, last = (device[0][0], max(e for _, e, _ in device)) if device else (end, end)
+    busy, calls = _busy_us(device), collections.Counter(e.name for e in host["events"])
+    copies = [name for _, _, name in device if name.startswith("Memcpy")]
+    kernels = {name: (ms, n) for name, ms, n in device_kernels(prof) if not name.startswith(("Memcpy", "Memset"))}
+    return {"wall_ms": (end - start) / 1e3, "device_busy_ms": busy / 1e3, "device_idle_ms": (last - first - busy) / 1e3,
+            "lead_ms": (first - start) / 1e3, "tail_ms": max(end - last, 0) / 1e3,
+            "kernels": sum(n for _, n in kernels.values()), "h2d": sum("HtoD" in c for c in copies),
+            "h2d_pageable": sum("HtoD" in c and "Pageable" in c for c in copies),
+            "d2h": sum("DtoH" in c for c in copies), "syncs": sum(calls[c] for c in SYNC_CALLS),
+            "items": calls["aten::_local_scalar_dense"], "top_ops": _top(_host_self(host), top),
+            "top_gaps": _top(device_gaps(prof), top), "top_kernels": _top(kernels, top)}
+
+
+def _on_device(event) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def _request_host(prof) -> dict:
+    """{REQUEST: (start, end) in us, "events": the host events that start within it, the range's own excepted}."""
+    events = [e for e in prof.events() if not _on_device(e)]
+    (mark,) = [e for e in events if e.name == REQUEST]
+    start, end = mark.time_range.start, mark.time_range.end
+    inside = [e for e in events if e is not mark and start <= e.time_range.start <= end]
+    return {REQUEST: (start, end), "events": inside}
+
+
+def _host_self(host: dict, python: bool = False) -> dict[str, tuple[float, int]]:
+    """{name: (self CPU ms, calls)} of the host events: Python functions with `python`, else the ops."""
+    out: dict[str, tuple[float, int]] = {}
+    for e in host["events"]:
+        if bool(getattr(e, "is_python_function", False)) == python:
+            ms, n = out.get(e.name, (0.0, 0))
+            out[e.name] = (ms + e.self_cpu_time_total / 1e3, n + 1)
+    return out
+
+
+def _busy_us(ops: list[tuple[float, float, str]]) -> float:
+    """Microseconds when at least one of the (start, end, name) operations, sorted by start, runs."""
+    busy, until = 0.0, None
+    for start, end, _ in ops:
+        if until is None or start > until:
+            busy, until = busy + end - start, end
+        elif end > until:
+            busy, until = busy + end - until, end
+    return busy
 
 
 def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, float]]:

@@ -118,12 +118,13 @@ def copy_tb_s(device: torch.device | str = "cuda", nbytes: int = 1 << 30, reps: 
     return 2 * nbytes / (ms / 1e3) / 1e12
 
 
-def profiled(fn: Callable[[], object], device: torch.device | str) -> tuple[object, object]:
-    """(a finished torch.profiler run of fn(), what fn returned); CPU activities, and CUDA's on a CUDA device."""
+def profiled(fn: Callable[[], object], device: torch.device | str, with_stack: bool = False) -> tuple[object, object]:
+    """(a finished torch.profiler run of fn(), what fn returned); CPU activities, and CUDA's on a CUDA
+    device; with_stack: Python function calls too (is_python_function events, the tracer's overhead in every time)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=with_stack) as prof:
         result = fn()
         sync(device)
     return prof, result

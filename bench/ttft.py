@@ -12,14 +12,20 @@ tokens the engine computed (the radix cache's prefill_tokens), and a last pass w
 a fresh causal prefill) at the same lengths, each shape compiled once; its decode step is a loop of
 one-token calls. Capture: each engine's build time (the first one built also pays the process's
 one-time costs: compare capture_s), graph capture seconds, graph pool and device megabytes.
+Profile (--profile SCENARIO...): after the timed rounds, one more request of each scenario on the
+extend-graphs-on engine under torch.profiler (bench.steps.profile_request: host ops and Python
+functions by self time, synchronisations, copies, kernels, device busy and idle time), in the JSON
+row's "profile"; the profiler's overhead is in its times.
 
     python -m bench.ttft --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer
+    python -m bench.ttft --models llama-3.2-1b --backends triton --profile fresh-512 repeat-512
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 from dataclasses import dataclass
 
@@ -38,6 +44,11 @@ COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("scenario", "sce
 CAPTURE_COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("extend graphs", "variant", ""),
                    ("startup s", "startup_s", ".1f"), ("capture s", "capture_s", ".1f"), ("graphs", "graphs", "d"),
                    ("graph MB", "graph_mb", ".0f"), ("device MB", "device_mb", ".0f")]
+PROFILE_COLUMNS = COLUMNS[:3] + [("wall ms", "wall_ms", ".2f"), ("busy ms", "device_busy_ms", ".2f"),
+                                 ("idle ms", "device_idle_ms", ".2f"), ("lead ms", "lead_ms", ".2f"),
+                                 ("tail ms", "tail_ms", ".2f"), ("kernels", "kernels", ".0f"), ("syncs", "syncs", "d"),
+                                 ("item()", "items", "d"), ("d2h", "d2h", "d"), ("h2d", "h2d", "d"),
+                                 ("h2d pageable", "h2d_pageable", "d")]
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-mode", choices=peer.COMPILE_MODES, default="reduce-overhead",
                    help="the peer's torch.compile mode (max-autotune-no-cudagraphs: plus a CUDA graph per shape)")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
+    p.add_argument("--profile", nargs="*", default=[], metavar="SCENARIO",
+                   help="one more request of these scenarios (e.g. repeat-512) under the profiler, extend graphs on")
     ns = p.parse_args(argv)
     ns.scenarios = scenarios(ns)
+    names = [sc.name for sc in ns.scenarios if sc.kind != "decode"]
+    if any(name not in names for name in ns.profile):
+        p.error(f"--profile: expected scenario names among {names}, got {ns.profile}")
     return ns
 
 
@@ -96,17 +112,37 @@ def sample(engine: Engine, sc: Scenario, ns: argparse.Namespace, seed: int, spy:
     {"ms", "computed": prompt tokens computed, and with `spy` "replayed": the extend graphs it replayed}."""
     if sc.kind == "decode":
         return {"ms": steps.engine_step_ms(engine, 1, sc.prefix, ns.decode_steps), "computed": None}
-    vocab = int(engine.runner.hf_config.vocab_size)
-    head, tail, other = prompts([sc.prefix, max(sc.new, 1), max(sc.new, 1)], vocab, seed=seed)
-    setup, prompt = {"fresh": (None, tail), "repeat": (head + tail, head + tail), "prefix": (head + tail, head + other)}[sc.kind]
-    engine.flush_cache()
-    if setup:
-        steps.timed_generate(engine, [setup], steps.greedy(1))
+    setup, prompt = request_prompts(engine, sc, seed)
+    reset(engine, setup)
     before, keys = engine.stats()["prefix_cache"]["prefill_tokens"], []
     with replay_spy(engine, keys) if spy else contextlib.nullcontext():
         ms = ttft_ms(engine, [prompt])
     out = {"ms": ms, "computed": engine.stats()["prefix_cache"]["prefill_tokens"] - before}
     return out | ({"replayed": " ".join(keys) or "eager"} if spy else {})
+
+
+def request_prompts(engine: Engine, sc: Scenario, seed: int) -> tuple[list[int] | None, list[int]]:
+    """(the prompt that caches the scenario's prefix or None, the request's prompt) of a scenario but decode."""
+    vocab = int(engine.runner.hf_config.vocab_size)
+    head, tail, other = prompts([sc.prefix, max(sc.new, 1), max(sc.new, 1)], vocab, seed=seed)
+    return {"fresh": (None, tail), "repeat": (head + tail, head + tail), "prefix": (head + tail, head + other)}[sc.kind]
+
+
+def reset(engine: Engine, setup: list[int] | None) -> None:
+    """An emptied cache holding `setup` (untimed) when given."""
+    engine.flush_cache()
+    if setup:
+        steps.timed_generate(engine, [setup], steps.greedy(1))
+
+
+def profile(engine: Engine, sc: Scenario) -> dict:
+    """One request of scenario `sc` (not decode) under the profiler: steps.profile_request."""
+    setup, prompt = request_prompts(engine, sc, seed=998)
+    request = functools.partial(engine.generate, input_ids=[prompt], sampling_params=steps.greedy(1))
+    split = steps.profile_request(request, engine.runner.device, lambda: reset(engine, setup))
+    print(f"profiled {sc.name}: wall {split['wall_ms']:.2f} ms, device busy {split['device_busy_ms']:.2f} ms, "
+          f"{split['syncs']} syncs", flush=True)
+    return split
 
 
 @contextlib.contextmanager
@@ -150,6 +186,8 @@ def measure_engines(ns: argparse.Namespace, engines: dict[str, Engine]) -> tuple
         row["computed"] = " ".join(str(c) for c in sorted(computed)) or None
         if sc.kind != "decode" and "on" in engines:
             row["replayed"] = sample(engines["on"], sc, ns, seed=999, spy=True)["replayed"]
+        if sc.name in ns.profile and "on" in engines:
+            row["profile"] = profile(engines["on"], sc)
         rows.append(row)
     return rows, {v: steps.graph_capture(e) for v, e in engines.items()}
 
@@ -216,6 +254,18 @@ def measure_model(ns: argparse.Namespace, model: str) -> tuple[list[dict], list[
     return rows, captures
 
 
+def print_profiles(rows: list[dict]) -> None:
+    """The profiled requests' table, then each one's top host ops, Python functions and idle gaps."""
+    if not rows:
+        return
+    print(report.table([r | r["profile"] for r in rows], PROFILE_COLUMNS,
+                       "one request under the profiler, extend graphs on (profiler overhead included; the JSON row's profile)"))
+    for r in rows:
+        for key in ("top_ops", "top_python", "top_gaps"):
+            tops = ", ".join(f"{name} {ms:.3f} ms x{n:g}" for name, ms, n in r["profile"][key][:5])
+            print(f"  {r['model']} {r['backend']} {r['scenario']} {key}: {tops or '-'}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ns = parse_args(argv)
     rows, captures = [], []
@@ -223,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         model_rows, model_captures = measure_model(ns, model)
         rows, captures = rows + model_rows, captures + model_captures
     print(report.table(captures, CAPTURE_COLUMNS, "engine startup and graph capture, extend graphs off / on"))
+    print_profiles([r for r in rows if r.get("profile")])
     for line in summary(rows):
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in line.items()))
     print(report.table(rows, COLUMNS, "time to first token (ms), extend graphs off / on, beside the peer"))

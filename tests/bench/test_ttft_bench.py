@@ -97,3 +97,29 @@ def test_the_peer_times_each_case_and_a_decode_step_per_one_token_case():
     times = peer.extend_ms(get_preset("tiny-llama"), [(0, 16), (15, 1), (20, 4)], torch.device("cpu"), False,
                            repeats=2, decode_steps=2)
     assert sorted(times) == [(0, 16), (15, 0), (15, 1), (20, 4)] and all(ms > 0 for ms in times.values())
+
+
+def test_a_profiled_request_splits_its_host_time_into_ops_and_python_functions(tmp_path, capsys):
+    got = ttft.main(["--models", "tiny-llama", "--backends", "torch_native", "--fresh", "16", "--repeat", "16",
+                     "--prefix", "0", "0", "--decode-context", "0", "--repeats", "1", "--no-compile",
+                     "--profile", "repeat-16", "--out", str(tmp_path), *CPU])
+    fresh, repeat = got["rows"]
+    assert "profile" not in fresh
+    split = repeat["profile"]
+    assert 0 < split["wall_ms"] and (split["kernels"], split["device_busy_ms"], split["h2d"], split["d2h"]) == (0, 0, 0, 0)
+    ops, python = dict((n, ms) for n, ms, _ in split["top_ops"]), [n for n, _, _ in split["top_python"]]
+    assert len(ops) == 8 and all(ms > 0 for ms in ops.values()) and any(n.startswith("aten::") for n in ops)
+    assert len(python) == 8 and all(".py(" in n or n.startswith("<built-in") for n in python)
+    assert sum(ops.values()) < split["wall_ms"]  # self times within the request
+    (path,) = tmp_path.glob("ttft-tiny-llama-cpu-*.json")
+    assert json.loads(path.read_text())["rows"][1]["profile"]["top_ops"][0][0] == split["top_ops"][0][0]
+    out = capsys.readouterr().out.splitlines()
+    title = out.index(next(line for line in out if line.startswith("one request under the profiler")))
+    assert out[title + 2].split()[:3] == ["tiny-llama", "torch_native", "repeat-16"]
+    assert any(line.strip().startswith("tiny-llama torch_native repeat-16 top_python:") for line in out)
+
+
+def test_profile_names_a_scenario_of_the_run(capsys):
+    with pytest.raises(SystemExit):
+        ttft.parse_args(["--fresh", "16", "--profile", "fresh-32", *CPU])
+    assert "--profile: expected scenario names among" in capsys.readouterr().err
