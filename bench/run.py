@@ -195,10 +195,11 @@ def _last_line(folder: Path, job: Job) -> str:
 def merge_matrix(folder: Path) -> str:
     """The matrix shards' JSON (tests/gpu/test_combinations_gpu.py) merged into matrix.json; one line."""
     results = [r for p in sorted(folder.glob("matrix-[0-9]*.json")) for r in json.loads(p.read_text())["results"]]
-    counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "tie", "refused", "mismatch")}
+    counts = {s: sum(r["status"] == s for r in results) for s in ("ok", "tie", "refused", "mismatch", "error")}
     doc = {"cells": len(results), **counts, "seconds": round(sum(r["seconds"] for r in results), 1), "results": results,
            "refusals": {r["label"]: r["message"] for r in results if r["status"] == "refused"},
            "mismatches": {r["label"]: r["message"] for r in results if r["status"] == "mismatch"},
+           "errors": {r["label"]: r["message"] for r in results if r["status"] == "error"},
            "ties": {r["label"]: r["ties"] for r in results if r["status"] == "tie"}}
     (folder / "matrix.json").write_text(json.dumps(doc, indent=1))
     return f"matrix: {len(results)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items())

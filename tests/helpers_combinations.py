@@ -389,10 +389,14 @@ class Worlds(dict):
         return world
 
 
+STATUSES = ("ok", "tie", "refused", "mismatch", "error")
+
+
 @dataclass
 class CellResult:
     """status: "ok" (every token equal), "tie" (diverged at near-ties only), "refused" (at
-    startup; message: the refusal) or "mismatch" (message: what differs)."""
+    startup; message: the refusal), "mismatch" (message: what differs) or "error" (the cell raised:
+    its exception's first line)."""
 
     label: str
     status: str
@@ -442,6 +446,21 @@ def run_cell(world: MatrixWorld, cell: Cell, ties: TieRule, **settings) -> CellR
             torch.cuda.empty_cache()
     status = "mismatch" if problems else ("tie" if found else "ok")
     return CellResult(cell.label, status, "; ".join(problems), found, time.perf_counter() - start, acceptance)
+
+
+def run_recorded(results: list[CellResult], world: MatrixWorld, cell: Cell, ties: TieRule, **settings) -> CellResult:
+    """run_cell with its result appended to `results`; a cell that raises is recorded as "error"
+    (the exception's first line) before the exception goes on, so the summary names every cell run."""
+    start = time.perf_counter()
+    try:
+        result = run_cell(world, cell, ties, **settings)
+    except Exception as exc:
+        line = next(iter(str(exc).splitlines()), "")
+        results.append(CellResult(cell.label, "error", f"{type(exc).__name__}: {line}"[:400],
+                                  seconds=time.perf_counter() - start))
+        raise
+    results.append(result)
+    return result
 
 
 def _setup_problems(engine: Engine, cell: Cell, opaque_calls: list) -> list[str]:
@@ -558,11 +577,12 @@ def compare(index: int, out, ref: Reference, rule: TieRule) -> tuple[str | None,
 
 def summary(results: list[CellResult]) -> dict:
     """Counts, every refusal with its line, every mismatch, each cell's time."""
-    by = {s: [r for r in results if r.status == s] for s in ("ok", "tie", "refused", "mismatch")}
+    by = {s: [r for r in results if r.status == s] for s in STATUSES}
     return {
         "cells": len(results), **{s: len(v) for s, v in by.items()},
         "refusals": {r.label: r.message for r in by["refused"]},
         "mismatches": {r.label: r.message for r in by["mismatch"]},
+        "errors": {r.label: r.message for r in by["error"]},
         "ties": {r.label: r.ties for r in by["tie"]},
         "seconds": round(sum(r.seconds for r in results), 1),
         "results": [asdict(r) for r in results],
@@ -573,11 +593,13 @@ def report(results: list[CellResult]) -> dict:
     """Print the summary and write it as JSON to $BACKPLANE_MATRIX_OUT when that is set."""
     doc = summary(results)
     print(f"\ncombination matrix: {doc['cells']} cells, {doc['ok']} equal, {doc['tie']} tie-only, "
-          f"{doc['refused']} refused, {doc['mismatch']} mismatched, {doc['seconds']} s")
+          f"{doc['refused']} refused, {doc['mismatch']} mismatched, {doc['error']} raised, {doc['seconds']} s")
     for label, line in doc["refusals"].items():
         print(f"  refused  {label}: {line}")
     for label, line in doc["mismatches"].items():
         print(f"  MISMATCH {label}: {line}")
+    for label, line in doc["errors"].items():
+        print(f"  ERROR    {label}: {line}")
     path = os.environ.get(SUMMARY_ENV)
     if path:
         Path(path).write_text(json.dumps(doc, indent=1))

@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from backplane.plugins.quant_fp8 import quantize as fq
 from helpers_combinations import (FP8_KV_TIES, FP8_TIES, MODELS, PROMPTS, Cell, CellResult, MatrixWorld, Reference,
-                                  TieRule, check, compare, compare_all, matrix_fixtures, pairwise, run_cell)
+                                  TieRule, check, compare, compare_all, matrix_fixtures, pairwise, run_cell, run_recorded)
 from lora_helpers import LoraWorld
 
 LORA = [None, "torch_native", "triton"]
@@ -160,6 +160,24 @@ def test_tie_rule_and_refusal_lines():
         check(CellResult("cell", "mismatch", "request 0: token 3 ..."))
 
 
+def test_a_cell_that_raises_is_recorded_as_an_error(monkeypatch):
+    """A cell whose engine raises (not a refusal) still reaches the matrix summary, as "error" with the
+    exception's first line; the exception goes on to fail the test."""
+    import helpers_combinations as hc
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("CUDA graph capture failed at 8 requests x 512 tokens\ntraceback lines")
+
+    monkeypatch.setattr(hc, "run_cell", raising)
+    results = []
+    with pytest.raises(RuntimeError, match="capture failed"):
+        run_recorded(results, None, Cell("triton", "triton", None, None), TIES)
+    (result,) = results
+    assert (result.status, result.message) == ("error", "RuntimeError: CUDA graph capture failed at 8 requests x 512 tokens")
+    doc = hc.summary(results)
+    assert (doc["cells"], doc["error"], doc["ok"]) == (1, 1, 0) and doc["errors"] == {result.label: result.message}
+
+
 def test_quant_axis_labels_and_flags():
     """The axis shows in the label only when set (older labels stay) and reaches the Engine's flags."""
     assert Cell("triton", "triton").label.endswith("graphs=off")
@@ -229,6 +247,5 @@ def test_a_wrong_kv_scale_fails_its_cell(worlds, tmp_path):
     pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN_BUGS[c.label], strict=True)) if c.label in KNOWN_BUGS else c
     for c in CELLS], ids=lambda c: c.test_id)
 def test_cell(worlds, results, cell):
-    result = run_cell(worlds[cell.model], cell, FP8_KV_TIES if cell.quant == "fp8-kv" else TIES, **SETTINGS)
-    results.append(result)
+    result = run_recorded(results, worlds[cell.model], cell, FP8_KV_TIES if cell.quant == "fp8-kv" else TIES, **SETTINGS)
     check(result)

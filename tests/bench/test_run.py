@@ -62,7 +62,7 @@ def test_matrix_shards_merge_into_one_summary(tmp_path):
     cell = {"label": "c", "status": "ok", "message": "", "seconds": 1.0, "ties": []}
     for i, status in enumerate(("ok", "refused")):
         (tmp_path / f"matrix-{i}.json").write_text(json.dumps({"results": [cell | {"label": f"c{i}", "status": status}]}))
-    assert run.merge_matrix(tmp_path) == "matrix: 2 cells: 1 ok, 0 tie, 1 refused, 0 mismatch"
+    assert run.merge_matrix(tmp_path) == "matrix: 2 cells: 1 ok, 0 tie, 1 refused, 0 mismatch, 0 error"
     merged = json.loads((tmp_path / "matrix.json").read_text())
     assert merged["cells"] == 2 and merged["refusals"] == {"c1": ""} and merged["seconds"] == 2.0
 

@@ -45,7 +45,7 @@ import os
 import pytest
 
 from helpers_combinations import (FP8_KV_TIES, FP8_TIES, MODELS, QUANTS, WEIGHT_QUANTS, Cell, TieRule, check,
-                                  matrix_fixtures, pairwise, run_cell)
+                                  matrix_fixtures, pairwise, run_recorded)
 
 pytestmark = pytest.mark.gpu
 
@@ -159,6 +159,5 @@ def test_cell(worlds, results, cell):
     if "flashinfer" in (cell.prefill, cell.decode) and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer is not installed")
     ties, settings = settings_of(cell)
-    result = run_cell(worlds[cell.model], cell, ties, **settings)
-    results.append(result)
+    result = run_recorded(results, worlds[cell.model], cell, ties, **settings)
     check(result, expected_refusal(cell))
