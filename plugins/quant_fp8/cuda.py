@@ -123,12 +123,17 @@ def default_launch(key: TableKey, m: int, x_bytes: int, num_sms: int) -> Launch:
     step (64 x 256, or 128 x 128 when 64-column tiles would not all be resident at once), 4 stages,
     and K split so that every program of the launch is resident at once (one wave) with at least
     MIN_STEPS_PER_SPLIT K steps each, the same number in every slice; x quantized inside the GEMM
-    while small (block: always, each group as it is loaded). Larger M: 64 x 128 tiles, one K slice,
-    x quantized first."""
+    while small (at most FUSE_QUANT_MAX_BYTES; block: each 1 x bk group as it is loaded), else by
+    quantize_rows first. Larger M: 64 x 128 tiles, one K slice, x quantized first.
+
+    NOTE: inside the GEMM every program of a column tile quantizes the same rows again, so the
+    work grows with M times the number of tiles. Block-wise FP8 always fused until 2026-12-07: at
+    bs 32 its 8B decode step took 1.11x bf16's where the (unfused) channel kernel's took 0.80x
+    (docs/performance.md, H100); both fused at bs 1 (0.72x and 0.70x)."""
     kernel, n, k, block = key
     if m > DECODE_MAX_TOKENS:
         return Launch(block_n=128, block_k=block[1] if kernel == "block" else 128, num_warps=4, num_stages=3)
-    fuse = kernel == "block" or m * k * x_bytes <= FUSE_QUANT_MAX_BYTES
+    fuse = m * k * x_bytes <= FUSE_QUANT_MAX_BYTES
     block_m, stages = block_m_for(m), 4
     tiles_k = ((64, 256) if m <= 16 else (64, 128), (128, 128)) if kernel == "channel" else ((64, block[1]), (128, block[1]))
     for block_n, block_k in tiles_k:

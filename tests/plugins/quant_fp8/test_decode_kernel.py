@@ -216,7 +216,7 @@ def test_default_launch_fills_the_card_at_decode_sizes(name, m):
     assert triton.cdiv(k, launch.block_k) // launch.split_k >= cuda.MIN_STEPS_PER_SPLIT
     assert launch.fuse_quant == (m * k * 2 <= cuda.FUSE_QUANT_MAX_BYTES)
     block = cuda.default_launch(("block", n, k, (128, 128)), m, 2, num_sms=132)
-    assert block.fuse_quant and block.block_k == 128
+    assert block.fuse_quant == launch.fuse_quant and block.block_k == 128  # x quantized first past 32 KB
     assert cuda.default_launch(("channel", n, k, None), 512, 2, num_sms=132).split_k == 1
 
 
