@@ -4,7 +4,7 @@ Llama loop) at the same batch and context, in one process, per model, attention 
 Engine: the whole Engine.generate loop per step, and the captured decode graph's replay alone. The
 variants (VARIANTS) are engines of the same settings but one, built side by side and measured in
 interleaved rounds, so host noise hits them alike; their graph capture time and memory are kept. Floor:
-the weights' bytes at the card's copy bandwidth. --profile BS splits a step of the first variant (and
+the weights' bytes at the card's copy bandwidth. --profile BS splits a step of every variant (and
 the peer's kernels) at those batch sizes.
 
     python -m bench.decode --models llama-3.2-1b llama-3.1-8b --backends triton flashinfer
@@ -72,7 +72,7 @@ def measure_engines(ns: argparse.Namespace, engines: dict[str, Engine], tb_s: fl
     floor = weight_bytes(engines[ns.variants[0]].runner.model) / (tb_s * 1e12) * 1e3
     samples = steps.interleaved(engines, ns.batch_sizes, ns.rounds,
                                 lambda v, bs: steps.engine_step_ms(engines[v], bs, ns.context, ns.steps))
-    rows = [measure_row(ns, engines[v], v == ns.variants[0], bs, ms) | {"variant": v, "floor_ms": floor}
+    rows = [measure_row(ns, engines[v], bs, ms) | {"variant": v, "floor_ms": floor}
             for (v, bs), ms in samples.items()]
     first = {r["batch_size"]: r["engine_ms"] for r in rows if r["variant"] == ns.variants[0]}
     for row in rows:  # each variant's step over the first variant's, same batch size, same rounds
@@ -80,12 +80,11 @@ def measure_engines(ns: argparse.Namespace, engines: dict[str, Engine], tb_s: fl
     return rows, {v: steps.graph_capture(e) for v, e in engines.items()}
 
 
-def measure_row(ns: argparse.Namespace, engine: Engine, first: bool, bs: int, runs_ms: list[float]) -> dict:
-    """One variant at one batch size: its step (median of the rounds), replay, and for the first
-    variant a profile (--profile)."""
+def measure_row(ns: argparse.Namespace, engine: Engine, bs: int, runs_ms: list[float]) -> dict:
+    """One variant at one batch size: its step (median of the rounds), replay, and a profile (--profile)."""
     row = {"batch_size": bs, "engine_ms": statistics.median(runs_ms), "engine_runs_ms": runs_ms,
            "replay_ms": steps.replay_ms(engine, bs)}
-    if first and bs in ns.profile:
+    if bs in ns.profile:
         row["profile"] = steps.profile_step(engine, bs, ns.context)
     print(f"bs {bs}: engine {row['engine_ms']:.3f} ms, replay {row['replay_ms']}", flush=True)
     return row

@@ -112,7 +112,7 @@ GROUPS: dict[str, list[Job]] = {
                                   "--budget", "420"))],
     "moe-decode": [bench("moe-decode", "moe_decode")],  # one process: engine and peer share the ~61 GB of weights
     "quant-decode": [bench("quant-decode-8b", "decode --models llama-3.1-8b --backends triton --variants overlap fp8 fp8-block "
-                           "--batch-sizes 1 32 --rounds 3 --no-peer"),
+                           "--batch-sizes 1 32 --rounds 3 --no-peer --profile 1"),
                      bench("fp8-kv-8b", "decode --models llama-3.1-8b --backends triton flashinfer --variants overlap "
                            "fp8-kv --batch-sizes 8 --context 16384 --steps 32 --rounds 3 --no-peer")],
     "quant-prefill": [bench("quant-prefill-8b", "prefill --models llama-3.1-8b --backends triton --cases 4x2048 1x512 "
