@@ -76,22 +76,27 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
     n, bs = len(input_ids), len(reqs)
     rows = [req.row for req in reqs]
     token_rows = rows if extend is None else [row for row, c in zip(rows, extend) for _ in range(c)]
-    # [input ids | positions | KV slots | each token's request row] (n each), [rows | seq lens] (bs each)
-    host = _int64_tensor(input_ids + list(positions) + out_cache_loc.tolist() + token_rows + rows + seq_lens)
+    lens = seq_lens if extend is None else seq_lens + list(prefix) + list(extend)
+    # [input ids | positions | KV slots | each token's request row] (n each), [rows | seq lens] (bs each),
+    # and for extend [prefix lens | extend lens] (bs each)
+    host = _int64_tensor(input_ids + list(positions) + out_cache_loc.tolist() + token_rows + rows + lens)
     packed = host.to(device, non_blocking=True)
-    seq_lens_cpu = host[4 * n + bs:].to(torch.int32)
+    seq_lens_cpu = host[4 * n + bs:4 * n + 2 * bs].to(torch.int32)
+    lens_d = packed[4 * n + bs:].to(torch.int32)  # [seq lens | prefix lens | extend lens], one cast
     positions_d, loc_d = packed[n:2 * n], packed[2 * n:3 * n]
     req_pool.req_to_token[packed[3 * n:4 * n], positions_d] = loc_d.to(torch.int32)
     batch = ForwardBatch(
         forward_mode=mode, batch_size=bs, input_ids=packed[:n], positions=positions_d,
-        req_pool_indices=packed[4 * n:4 * n + bs], seq_lens=packed[4 * n + bs:].to(torch.int32),
+        req_pool_indices=packed[4 * n:4 * n + bs], seq_lens=lens_d[:bs],
         seq_lens_cpu=seq_lens_cpu, out_cache_loc=loc_d,
         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
         host=HostBatch(input_ids=host[:n], positions=host[n:2 * n], out_cache_loc=host[2 * n:3 * n],
                        req_pool_indices=host[4 * n:4 * n + bs]),
     )
-    if extend is not None:
-        batch.set_extend_lens(prefix, extend)
+    if extend is not None:  # set_extend_lens without two more host-to-device copies
+        batch.extend_prefix_lens_cpu = torch.tensor(prefix, dtype=torch.int32)
+        batch.extend_seq_lens_cpu = torch.tensor(extend, dtype=torch.int32)
+        batch.extend_prefix_lens, batch.extend_seq_lens = lens_d[bs:2 * bs], lens_d[2 * bs:]
     return batch
 
 
