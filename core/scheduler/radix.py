@@ -152,9 +152,10 @@ class RadixTree:
         return i
 
     def _free_duplicates(self, given: torch.Tensor, cached: torch.Tensor) -> None:
+        if self.free_slots is None or torch.equal(given, cached):  # the usual case: the request's own slots
+            return
         duplicate = given != cached
-        if self.free_slots is not None and bool(duplicate.any()):
-            self.free_slots(given[duplicate])
+        self.free_slots(given[duplicate])
 
     def _split(self, child: RadixNode, n: int) -> RadixNode:
         """Cut `child`'s edge after n tokens: a new node takes the first n and becomes its parent.
