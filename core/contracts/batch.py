@@ -126,10 +126,15 @@ class ForwardBatch:
     def device(self) -> torch.device:
         return self.input_ids.device
 
-    def set_extend_lens(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
-        """Set extend_prefix_lens / extend_seq_lens ([batch_size] int32) and their host copies."""
+    def set_extend_lens(self, prefix_lens: Sequence[int], extend_lens: Sequence[int],
+                        on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Set extend_prefix_lens / extend_seq_lens ([batch_size] int32) and their host copies.
+        on_device: the two already on the device (views of a batch's packed copy): no copy made."""
         self.extend_prefix_lens_cpu = torch.tensor(prefix_lens, dtype=torch.int32)
         self.extend_seq_lens_cpu = torch.tensor(extend_lens, dtype=torch.int32)
+        if on_device is not None:
+            self.extend_prefix_lens, self.extend_seq_lens = on_device
+            return
         self.extend_prefix_lens = self.extend_prefix_lens_cpu.to(self.device, non_blocking=True)
         self.extend_seq_lens = self.extend_seq_lens_cpu.to(self.device, non_blocking=True)
 

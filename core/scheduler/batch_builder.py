@@ -93,10 +93,8 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
         host=HostBatch(input_ids=host[:n], positions=host[n:2 * n], out_cache_loc=host[2 * n:3 * n],
                        req_pool_indices=host[4 * n:4 * n + bs]),
     )
-    if extend is not None:  # set_extend_lens without two more host-to-device copies
-        batch.extend_prefix_lens_cpu = torch.tensor(prefix, dtype=torch.int32)
-        batch.extend_seq_lens_cpu = torch.tensor(extend, dtype=torch.int32)
-        batch.extend_prefix_lens, batch.extend_seq_lens = lens_d[bs:2 * bs], lens_d[2 * bs:]
+    if extend is not None:  # their device copies are views of the packed one
+        batch.set_extend_lens(prefix, extend, on_device=(lens_d[bs:2 * bs], lens_d[2 * bs:]))
     return batch
 
 
