@@ -243,8 +243,10 @@ class Engine:
         return None
 
     def _adapter_error(self, req: Req) -> str | None:
+        if req.lora is None:
+            return None
         known = self.args.lora_path_map
-        if req.lora is None or (isinstance(req.lora, str) and req.lora in known):
+        if isinstance(req.lora, str) and req.lora in known:
             return None
         return (f"unknown LoRA adapter {req.lora!r}; "
                 f"loaded: {', '.join(sorted(known)) or 'none (pass --lora-paths name=path)'}")

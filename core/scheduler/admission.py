@@ -46,11 +46,15 @@ def admit_prefill(queues: RequestQueues, participants: Sequence[SchedulerPartici
                   max_running: int, decode_slots_per_request: int) -> tuple[list[Req], list[int]] | None:
     """This step's prefill batch (the requests, and the tokens each prefills), its new requests
     admitted and the KV room for it made; None when nothing can prefill (limits: `PrefillAdder`)."""
+    mid_prompt = [r for r in queues.running if r.needs_prefill]
+    if not mid_prompt and not queues.waiting:
+        return None  # every decode step: nothing to consider
     cache = queues.prefix_cache
     adder = PrefillAdder(cache, queues.running, participants, token_budget=token_budget, max_running=max_running,
-                         decode_slots_per_request=decode_slots_per_request, isolated=queues.isolated)
+                         decode_slots_per_request=decode_slots_per_request, isolated=queues.isolated,
+                         shares_prompts=len(mid_prompt) + len(queues.waiting) > 1)
     waiting = cache.admission_order(queues.waiting) if adder.may_admit() else list(queues.waiting)
-    for req in [r for r in queues.running if r.needs_prefill] + waiting:
+    for req in mid_prompt + waiting:
         if not adder.add(req):
             break
     if not adder.reqs:
@@ -68,11 +72,14 @@ class PrefillAdder:
     step; at most `max_running` requests holding a row. A new request also needs every participant's
     `can_admit` next to the running requests and the new ones already chosen. The first request that
     does not fit ends the batch, so later arrivals never overtake it. A request in `isolated` (it runs
-    alone since a failed forward) only starts an empty batch, and nothing joins it.
+    alone since a failed forward) only starts an empty batch, and nothing joins it. `shares_prompts`
+    False (a lone candidate: no later request can share its prompt) skips the bookkeeping of the
+    prompts the batch computes.
     """
 
     def __init__(self, cache: PrefixCache, running: list[Req], participants: Sequence[SchedulerParticipant], *,
-                 token_budget: int, max_running: int, decode_slots_per_request: int, isolated: set[int]):
+                 token_budget: int, max_running: int, decode_slots_per_request: int, isolated: set[int],
+                 shares_prompts: bool = True):
         self.cache = cache
         self.running = running
         self.participants = participants
@@ -80,7 +87,7 @@ class PrefillAdder:
         self.max_running = max_running
         self.reserved = decode_slots_per_request * sum(1 for r in running if not r.needs_prefill)
         self.isolated = isolated
-        self.in_batch = RadixTree()  # the prompts this batch computes, for prefix sharing
+        self.in_batch = RadixTree() if shares_prompts else None  # the prompts this batch computes, for prefix sharing
         self.reqs: list[Req] = []
         self.chunks: list[int] = []
         self.new: list[Req] = []  # the chosen requests that have no row yet
@@ -124,5 +131,5 @@ def ready_for_decode(running: list[Req], in_flight: LaunchedStep | None) -> list
     ready = [r for r in running if not r.needs_prefill]
     if in_flight is None:
         return ready
-    last = {id(r) for r in in_flight.reqs if len(r.output_ids) + 1 >= r.params.max_new_tokens}
+    last = {id(r) for r in in_flight.reqs if r.next_token_is_last}
     return [r for r in ready if id(r) not in last]

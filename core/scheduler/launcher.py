@@ -61,7 +61,9 @@ class BatchLauncher:
             rows = torch.tensor([i for i, c in enumerate(completes) if c]).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, rows)
         tokens, logprobs = sample(logits, self.sampling.get(done, logits.device), self.generator)
-        return self._launch(done, tokens, logprobs)
+        # NOTE: the requests' earlier tokens are all read (none is in flight before a prefill), so
+        # next_token_is_last is exact here: when it holds for all, no later step reads these tokens.
+        return self._launch(done, tokens, logprobs, read_later=not all(r.next_token_is_last for r in done))
 
     def decode(self, reqs: list[Req]) -> LaunchedStep:
         """One decode step of `reqs`: a token each (several accepted drafts under speculation)."""
@@ -99,8 +101,10 @@ class BatchLauncher:
             p.prepare_batch(batch, reqs)
         return batch
 
-    def _launch(self, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
-        """Start the copy of sampled tokens [len(reqs)] to the host; under overlap keep them on the device too."""
-        if self.future is not None:
+    def _launch(self, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor,
+                read_later: bool = True) -> LaunchedStep:
+        """Start the copy of sampled tokens [len(reqs)] to the host; under overlap keep them on the
+        device too, for the next step's inputs, unless `read_later` is False (each request's last token)."""
+        if self.future is not None and read_later:
             self.future.store(reqs, tokens)
         return LaunchedStep.launch(reqs, tokens, logprobs)

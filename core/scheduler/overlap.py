@@ -3,11 +3,11 @@
 Sampled tokens stay on the device. A request whose last token is still in flight gets a negative
 placeholder as its next input id (`FutureTokens`); the device resolves it from the future buffer
 just before the forward, so no step waits for the previous one's tokens on the host. Each step
-makes one device-to-host copy (tokens and log-probabilities packed together, into pinned memory
-behind an event), which the host reads only after the next step is launched. Stop checks
+copies its tokens and their log-probabilities to the host (into one pinned buffer, behind an event),
+which the host reads only after the next step is launched. Stop checks
 therefore lag by one step: a request that stopped at step N may have run in step N+1; that token
-is discarded and its KV slot is freed with the request's others. On CPU the same code runs with
-synchronous copies.
+is discarded and its KV slot is freed with the request's others. On CPU the same code runs, each
+step's tokens read at once.
 
 The loop itself is `Scheduler.step`: launch the next batch, then read the previous `LaunchedStep`.
 """
@@ -65,12 +65,14 @@ class FutureTokens:
 class LaunchedStep:
     """One step whose sampled tokens are on their way to the host.
 
-    reqs: the requests that sampled a token, in order; packed: [2, len(reqs)] float64 on the host
-    (row 0 token ids, row 1 log-probabilities), valid once `event` has completed (None on CPU).
+    reqs: the requests that sampled a token, in order; tokens [len(reqs)] int64 and logprobs
+    [len(reqs)] (the sampler's dtype) on the host, in pinned memory, valid once `event` has
+    completed; or `known`: the tokens already read (on CPU, and under speculation).
     """
 
     reqs: list[Req]
-    packed: torch.Tensor | None
+    tokens: torch.Tensor | None
+    logprobs: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     known: list[tuple[list[int], list[float]]] | None = None  # tokens already on the host
 
@@ -81,20 +83,30 @@ class LaunchedStep:
 
     @classmethod
     def launch(cls, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
-        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
-        if packed.device.type != "cuda":
-            return cls(reqs, packed, None)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
+        """Start the copy of tokens [len(reqs)] int64 and logprobs [len(reqs)] to the host.
+
+        On CUDA: two non-blocking copies into one pinned buffer, then an event; no kernel (no cast
+        on the device). Elsewhere the tensors are host tensors: read at once.
+        """
+        if tokens.device.type != "cuda":
+            return cls.known_tokens(reqs, _one_each(tokens.tolist(), logprobs.tolist()))
+        n, token_bytes = tokens.numel(), tokens.numel() * tokens.element_size()
+        start = -(-token_bytes // 8) * 8  # NOTE: the log-probabilities start 8-byte aligned, for any dtype
+        host = torch.empty(start + n * logprobs.element_size(), dtype=torch.uint8, pin_memory=True)
+        host_tokens = host[:token_bytes].view(tokens.dtype).copy_(tokens, non_blocking=True)
+        host_logprobs = host[start:].view(logprobs.dtype).copy_(logprobs, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(reqs, host, event)
+        return cls(reqs, host_tokens, host_logprobs, event)
 
     def new_tokens(self) -> list[tuple[list[int], list[float]]]:
         """Wait for the copy; per request its new token ids and their log-probabilities."""
         if self.known is not None:
             return self.known
-        if self.event is not None:
-            self.event.synchronize()
-        tokens, logprobs = self.packed.tolist()
-        return [([int(t)], [lp]) for t, lp in zip(tokens, logprobs)]
+        self.event.synchronize()
+        return _one_each(self.tokens.tolist(), self.logprobs.tolist())
+
+
+def _one_each(tokens: list[int], logprobs: list[float]) -> list[tuple[list[int], list[float]]]:
+    """Per request, its one new token and log-probability."""
+    return [([t], [lp]) for t, lp in zip(tokens, logprobs)]

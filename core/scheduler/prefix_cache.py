@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from backplane.config import PrefixCacheConfig
-from backplane.scheduler.radix import RadixTree
+from backplane.scheduler.radix import RadixTree, join_slots
 from backplane.scheduler.request import Req
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
@@ -134,10 +134,11 @@ class PrefixCache:
         req.slots = [found.slots] if found.length else []
         return True
 
-    def computes_in_batch(self, req: Req, batch: RadixTree) -> None:
+    def computes_in_batch(self, req: Req, batch: RadixTree | None) -> None:
         """A running request's next prefill chunk joins the batch: note its prompt in `batch`, so
-        that a waiting request sharing it waits for the tree instead of computing it twice."""
-        if self.enabled:
+        that a waiting request sharing it waits for the tree instead of computing it twice (None:
+        no request considered later)."""
+        if self.enabled and batch is not None:
             _note(batch, req.ids_between(0, prefill_target(req) - 1), req)
 
     def unmatch(self, req: Req) -> None:
@@ -151,9 +152,9 @@ class PrefixCache:
         self.counts.num_requests += 1
         self.counts.query_tokens += prefill_target(req)
         self.counts.hit_tokens += req.num_shared
-        if req.num_shared:
-            device = self.req_pool.req_to_token.device
-            self.req_pool.req_to_token[req.row, :req.num_shared] = req.slots[0].to(device, torch.int32, non_blocking=True)
+        if req.num_shared:  # cast on the host: one copy straight into the row, no kernel on the device
+            row = self.req_pool.req_to_token[req.row, :req.num_shared]
+            row.copy_(req.slots[0].to(row.dtype), non_blocking=True)
 
     # -- after prefill, finish, preemption, abort -------------------------------------------------
 
@@ -167,15 +168,14 @@ class PrefixCache:
         self.counts.prefill_tokens += num_new
         if not self.enabled or req.num_cached <= req.num_shared:
             return
-        key, slots = req.ids_between(0, req.num_cached), torch.cat(req.slots)
+        key, slots = req.ids_between(0, req.num_cached), join_slots(req.slots)
         if self.tree.match(key, req.lora).length != req.num_shared:
             return
-        self.tree.insert(key, slots, req.lora)
-        found = self.tree.match(key, req.lora)
-        self.tree.lock(found.node)
+        node = self.tree.insert_node(key, slots, req.lora)
+        self.tree.lock(node)
         if req.prefix_node is not None:
             self.tree.unlock(req.prefix_node)
-        req.prefix_node, req.num_shared, req.slots = found.node, req.num_cached, [slots]
+        req.prefix_node, req.num_shared, req.slots = node, req.num_cached, [slots]
 
     def release(self, req: Req, keep: bool) -> None:
         """Give back the request's KV: to the tree (keep) or to the pool (its own slots only).
@@ -183,10 +183,10 @@ class PrefixCache:
         With keep, the slots of every token that is also in req.all_ids join the tree (a
         speculative step may have written KV past a stop token; those slots are freed).
         """
-        slots = torch.cat(req.slots) if req.slots else torch.empty(0, dtype=torch.int64)
+        slots = join_slots(req.slots)
         if keep and self.enabled:
-            n = min(req.num_cached, len(req.all_ids))
-            self.tree.insert(req.all_ids[:n], slots[:n], req.lora)
+            n = min(req.num_cached, req.num_tokens)
+            self.tree.insert(req.ids_between(0, n), slots[:n], req.lora)
             self.kv_pool.free(slots[n:])
         else:
             self.kv_pool.free(slots[req.num_shared:])

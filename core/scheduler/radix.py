@@ -74,6 +74,14 @@ def common_length(a: list[int], b: list[int]) -> int:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def join_slots(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Slot tensors (host int64) one after the other; a single piece is returned as it is, not
+    copied: nothing writes into a slot tensor, the tree's or a request's."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else _EMPTY
+
+
 class RadixTree:
     """The tree and its reference counts. `free_slots(slots)` is called with evicted and duplicate
     slots (the KV pool's `free`); None keeps the tree pure bookkeeping (the scheduler's in-batch
@@ -113,7 +121,7 @@ class RadixTree:
             child.last_access = now
             pieces.append(child.slots)
             node, i = child, i + n
-        return PrefixMatch(torch.cat(pieces) if pieces else _EMPTY, node)
+        return PrefixMatch(join_slots(pieces), node)
 
     def match_length(self, key: list[int], namespace: Hashable = None, stop: int | None = None) -> int:
         """How many leading tokens of `key[:stop]` are cached; read only (no split, no use counted)."""
@@ -134,6 +142,13 @@ class RadixTree:
         kept, one that duplicates a cached token (the same token computed twice) is freed, and the
         part past the cached prefix becomes a new leaf.
         """
+        return self._insert(key, slots, namespace)[0]
+
+    def insert_node(self, key: list[int], slots: torch.Tensor, namespace: Hashable = None) -> RadixNode:
+        """`insert`, returning the node where `key` ends (what `match(key).node` would be next)."""
+        return self._insert(key, slots, namespace)[1]
+
+    def _insert(self, key: list[int], slots: torch.Tensor, namespace: Hashable) -> tuple[int, RadixNode]:
         assert len(key) == slots.numel(), f"insert: {len(key)} tokens but {slots.numel()} slots"
         node, i = self.root(namespace), 0
         now = next(self._clock)
@@ -145,11 +160,12 @@ class RadixTree:
             self._free_duplicates(slots[i:i + n], child.slots)
             child.last_access = now
             node, i = child, i + n
-        if i < len(key):
-            leaf = RadixNode(list(key[i:]), slots[i:].clone(), parent=node, last_access=now)
-            node.children[key[i]] = leaf
-            self.evictable_size += len(leaf.key)  # nobody references a new leaf yet
-        return i
+        if i == len(key):
+            return i, node
+        leaf = RadixNode(list(key[i:]), slots[i:].clone(), parent=node, last_access=now)
+        node.children[key[i]] = leaf
+        self.evictable_size += len(leaf.key)  # nobody references a new leaf yet
+        return i, leaf
 
     def _free_duplicates(self, given: torch.Tensor, cached: torch.Tensor) -> None:
         if self.free_slots is None or torch.equal(given, cached):  # the usual case: the request's own slots

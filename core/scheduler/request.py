@@ -68,6 +68,12 @@ class Req:
         return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):stop - n]
 
     @property
+    def next_token_is_last(self) -> bool:
+        """Whether one more token after output_ids reaches max_new_tokens: with it in flight, no
+        later step may run for this request."""
+        return len(self.output_ids) + 1 >= self.params.max_new_tokens
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

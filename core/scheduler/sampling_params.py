@@ -65,11 +65,15 @@ def _shown(value: Any) -> str:
 
 
 def _int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
+    # NOTE: the exact-type test first: isinstance against the numbers ABCs costs about 0.3 us a call,
+    # twice per field for every request submitted.
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 
 def _real(value: Any) -> bool:
     """A finite number (not a bool, not NaN or infinity)."""
+    if type(value) is float or type(value) is int:  # the usual cases, without the ABC checks
+        return math.isfinite(value)
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -115,7 +115,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending is not None)
+        queues = self.queues  # NOTE: not through the properties: read every step
+        return bool(queues.waiting or queues.running or self.pending is not None)
 
     @property
     def decode_slots_per_request(self) -> int:
@@ -173,6 +174,8 @@ class Scheduler:
     def _schedule_decode(self) -> list[Req]:
         """The running requests that decode this step, preempting the newest while KV is short."""
         ready = ready_for_decode(self.running, self.pending)
+        if not ready:
+            return []
         need = self.decode_slots_per_request * len(ready)
         if self.pending is not None and self.prefix_cache.available() < need:
             # NOTE: preemption needs exact host state (no token in flight): finish the last step first.

@@ -1,0 +1,306 @@
+"""The engine's host cost of one request outside the model: Engine.generate(max_new_tokens=1) on an
+engine whose model forward is a stub handing back fixed logits (no layer runs), so what is timed is
+the engine's own work per request: the request objects, admission and the radix-cache match,
+building the batch, the runner's planning around the model, sampling, finishing, the radix insert
+and release, the output.
+
+Scenarios as bench/ttft.py names them: fresh-N (a fresh N-token prompt on an emptied cache) and
+repeat-N (the same N-token prompt sent again: all but its last token found in the cache). Each
+request is timed alone (the device synchronised around it), on an emptied cache with the scenario's
+prefix cached first (untimed); the medians are of --requests requests in each of --rounds rounds,
+scenarios interleaved (one untimed warm-up round first).
+
+Then three passes that explain the time, none of them in the medians: per phase, each phase's own
+time (its callees that are phases excluded) summed over the timed functions of the scheduler loop
+("loop": what no phase covers: generate's and the step's own code); --profile N: cProfile's top N
+functions by own time per request; and every place a tensor is read on the host (item, tolist,
+cpu, bool, int, float, numpy, equal) with its call site: on a GPU, a read of a device tensor waits for
+the device (a sync); on CPU every tensor is a host tensor, so the list is every candidate.
+
+    python -m bench.host_path                                 # tiny-llama on CPU, seconds
+    python -m bench.host_path --fresh 128 --repeat 512 --profile 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import contextlib
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from backplane import Engine
+from backplane.contracts.batch import ForwardMode
+from backplane.contracts.model import ModelOutput
+from bench import report, steps, ttft
+
+COLUMNS = [("scenario", "scenario", ""), ("computed", "computed", ""), ("median ms", "median_ms", ".3f"),
+           ("min round ms", "min_round_ms", ".3f"), ("max round ms", "max_round_ms", ".3f"),
+           ("requests", "requests", "d")]
+READ_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal"})
+ROOT = str(Path(__file__).resolve().parents[1])
+PROJECT = (ROOT + "/core/", ROOT + "/plugins/")  # the files a call site is named in
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = report.parser(__doc__)
+    p.set_defaults(device="cpu")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--fresh", type=int, nargs="*", default=[128, 512], metavar="N", help="fresh prompts of N tokens")
+    p.add_argument("--repeat", type=int, nargs="*", default=[512], metavar="N", help="an N-token prompt sent again")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
+    p.add_argument("--requests", type=int, default=40, help="timed requests per scenario and round")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N functions per scenario")
+    ns = p.parse_args(argv)
+    ns.scenarios = [ttft.Scenario("fresh", 0, n) for n in ns.fresh] + [ttft.Scenario("repeat", n - 1, 1)
+                                                                        for n in ns.repeat]
+    return ns
+
+
+# -- the stub model ---------------------------------------------------------------------------------
+
+class StubForward:
+    """A model's forward that only hands back fixed logits: [rows, vocab] fp32 on the model's device,
+    one row per request for extend and decode (LogitsProcessor's rows), one per token otherwise."""
+
+    def __init__(self, vocab: int, device: torch.device, max_rows: int = 256):
+        gen = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_rows, vocab, generator=gen).to(device)
+
+    def __call__(self, batch, *args, **kwargs) -> ModelOutput:
+        if batch.logits_indices is not None:
+            rows = batch.logits_indices.numel()
+        elif batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE):
+            rows = batch.batch_size
+        else:
+            rows = batch.input_ids.numel()
+        return ModelOutput(logits=self.logits[:rows])
+
+
+@contextlib.contextmanager
+def stub_model(engine: Engine):
+    """Within the block, the engine's model forward is a StubForward (an instance attribute shadows
+    the module's forward; graph replays, which would not call it, are turned off too)."""
+    runner = engine.runner
+    model, graphs = runner.model, runner.graph_runner
+    model.forward = StubForward(int(runner.hf_config.vocab_size), runner.device)
+    runner.graph_runner = None
+    try:
+        yield
+    finally:
+        del model.forward
+        runner.graph_runner = graphs
+
+
+# -- timing -----------------------------------------------------------------------------------------
+
+def one_request(engine: Engine, sc: ttft.Scenario, seed: int) -> tuple[Callable[[], object], Callable[[], None]]:
+    """(the request of scenario `sc`, what prepares the cache for it)."""
+    setup, prompt = ttft.request_prompts(engine, sc, seed)
+    params = steps.greedy(1)
+    return (lambda: steps.timed_generate(engine, [prompt], params)), (lambda: ttft.reset(engine, setup))
+
+
+def time_request(engine: Engine, sc: ttft.Scenario, seed: int) -> tuple[float, int]:
+    """(ms of one request of `sc` on a prepared cache, the prompt tokens it computed)."""
+    request, prepare = one_request(engine, sc, seed)
+    prepare()
+    before = engine.stats()["prefix_cache"]["prefill_tokens"]
+    seconds = request()[0]
+    return seconds * 1e3, engine.stats()["prefix_cache"]["prefill_tokens"] - before
+
+
+def measure(engine: Engine, ns: argparse.Namespace) -> list[dict]:
+    """One row per scenario: the median ms of every timed request, each round's median, the tokens computed."""
+    samples = {sc: [[] for _ in range(ns.rounds + 1)] for sc in ns.scenarios}
+    computed = {sc: set() for sc in ns.scenarios}
+    for r in range(ns.rounds + 1):  # round 0 warms up and is dropped
+        for sc in ns.scenarios:
+            for i in range(ns.requests):
+                ms, n = time_request(engine, sc, seed=1000 * r + i)
+                samples[sc][r].append(ms)
+                computed[sc].add(n)
+    rows = []
+    for sc in ns.scenarios:
+        rounds = samples[sc][1:]
+        medians = [statistics.median(ms) for ms in rounds]
+        rows.append({"scenario": sc.name, "kind": sc.kind, "prefix": sc.prefix, "new": sc.new,
+                     "computed": " ".join(str(n) for n in sorted(computed[sc])),
+                     "median_ms": statistics.median(ms for one in rounds for ms in one),
+                     "round_medians_ms": medians, "min_round_ms": min(medians), "max_round_ms": max(medians),
+                     "requests": sum(len(one) for one in rounds)})
+    return rows
+
+
+# -- phases -----------------------------------------------------------------------------------------
+
+class Phases:
+    """Self time per phase: a wrapped function's time less that of the wrapped functions it calls."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.on = False  # off: the wrapped functions run untimed (a request's preparation)
+        self._inner: list[float] = []
+
+    def wrap(self, fn: Callable, label: str) -> Callable:
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            self._inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                inner = self._inner.pop()
+                self.seconds[label] += spent - inner
+                self.calls[label] += 1
+                if self._inner:
+                    self._inner[-1] += spent
+        return timed
+
+
+def phase_targets(engine: Engine) -> list[tuple[object, str, str]]:
+    """(owner, attribute, phase) of every timed function: instances, modules or classes."""
+    import backplane.scheduler.launcher as launcher_module
+    import backplane.scheduler.scheduler as scheduler_module
+    from backplane.scheduler.overlap import LaunchedStep
+
+    sched, launcher, cache = engine.scheduler, engine.scheduler.launcher, engine.scheduler.prefix_cache
+    return [(engine, "_make_requests", "requests"), (sched, "add", "queue"),
+            (scheduler_module, "admit_prefill", "admission"), (cache, "match", "radix match"),
+            (launcher_module, "build_extend_batch", "build batch"), (launcher.decode_state, "build", "build batch"),
+            (engine.runner, "forward", "runner forward (stub model)"), (launcher.sampling, "get", "sampling setup"),
+            (launcher_module, "sample", "sample"), (launcher, "_launch", "launch tokens' copy"),
+            (cache, "cache_prefilled", "radix insert"), (LaunchedStep, "new_tokens", "read tokens"),
+            (sched, "_advance", "finish"), (cache, "release", "radix release"), (engine, "_output", "output")]
+
+
+def phase_split(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, float, float]]:
+    """(phase, us per request, calls per request) over n requests of `sc`, slowest first, "loop" the rest."""
+    phases, total = Phases(), 0.0
+    with contextlib.ExitStack() as stack:
+        from unittest import mock
+
+        for owner, attr, label in phase_targets(engine):
+            stack.enter_context(mock.patch.object(owner, attr, phases.wrap(getattr(owner, attr), label)))
+        for i in range(n):
+            request, prepare = one_request(engine, sc, seed=7000 + i)
+            prepare()
+            phases.on = True
+            start = time.perf_counter()
+            request()
+            total += time.perf_counter() - start
+            phases.on = False
+    rows = {label: (s * 1e6 / n, phases.calls[label] / n) for label, s in phases.seconds.items()}
+    rows["loop"] = ((total - sum(phases.seconds.values())) * 1e6 / n, 1.0)
+    return sorted(((k, us, calls) for k, (us, calls) in rows.items()), key=lambda r: -r[1])
+
+
+# -- cProfile ---------------------------------------------------------------------------------------
+
+def profile_top(engine: Engine, sc: ttft.Scenario, n: int, top: int) -> list[tuple[str, float, float]]:
+    """cProfile's top functions of n requests of `sc` by own time: (function, us per request, calls per request)."""
+    prof = cProfile.Profile()
+    for i in range(n):
+        request, prepare = one_request(engine, sc, seed=8000 + i)
+        prepare()
+        prof.enable()
+        request()
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [(_where(file, line, fn), tt * 1e6 / n, calls / n) for (file, line, fn), (_, calls, tt, _, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def _where(file: str, line: int, fn: str) -> str:
+    name = file[len(ROOT) + 1:] if file.startswith(ROOT) else Path(file).name if file != "~" else ""
+    return f"{name}:{line}({fn})" if name else fn
+
+
+# -- host reads of tensors --------------------------------------------------------------------------
+
+class HostReads(TorchFunctionMode):
+    """Counts every host read of a tensor (READ_NAMES) by the project's call site that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[tuple[str, str, str]] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READ_NAMES:
+            device = next((str(a.device) for a in args if isinstance(a, torch.Tensor)), "?")
+            self.sites[(name, device, _call_site())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _call_site() -> str:
+    """file:line (function) of the innermost frame in backplane (core/ or plugins/), outside this module."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if file.startswith(PROJECT):
+            return f"{file[len(ROOT) + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+def host_reads(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str, str, float]]:
+    """(read, tensor device, call site, per request) of n requests of `sc`, by call site."""
+    reads = HostReads()
+    for i in range(n):
+        request, prepare = one_request(engine, sc, seed=9000 + i)
+        prepare()
+        with reads:
+            request()
+    return sorted(((name, dev, site, k / n) for (name, dev, site), k in reads.sites.items()), key=lambda r: r[2])
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+def explain(engine: Engine, ns: argparse.Namespace) -> None:
+    """Adds each row's phases, host reads and (with --profile) cProfile's top functions, and prints them."""
+    n = max(ns.requests, 10)
+    for sc, row in zip(ns.scenarios, ns.rows):
+        row["phases"] = phase_split(engine, sc, n)
+        row["host_reads"] = host_reads(engine, sc, 3)
+        print(f"{sc.name} phases (us per request, own time): "
+              + ", ".join(f"{k} {us:.1f}" + (f" x{c:g}" if c != 1 else "") for k, us, c in row["phases"]))
+        print(f"{sc.name} tensor reads on the host per request: "
+              + ("; ".join(f"{name} {site} x{k:g}" for name, _, site, k in row["host_reads"]) or "none"))
+        if ns.profile:
+            row["top_python"] = profile_top(engine, sc, n, ns.profile)
+            print(f"{sc.name} cProfile top {ns.profile} (us per request, own time):")
+            for fn, us, calls in row["top_python"]:
+                print(f"  {us:8.1f}  x{calls:<6g} {fn}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ns = parse_args(argv)
+    longest = max(sc.prefix + sc.new for sc in ns.scenarios)
+    engine = Engine(ns.model, device=ns.device, max_running_requests=16, max_total_tokens=4 * longest + 1024)
+    try:
+        with stub_model(engine):
+            ns.rows = measure(engine, ns)
+            explain(engine, ns)
+    finally:
+        engine.shutdown()
+    args = {k: v for k, v in vars(ns).items() if k not in ("scenarios", "rows")}
+    report.write_result("host-path", ns.model, {"args": args, "rows": ns.rows}, ns.out, ns.device)
+    print(report.table(ns.rows, COLUMNS, f"host ms per request outside the model ({ns.model}, {ns.device}, "
+                                         "generate max_new_tokens=1, stub forward)"))
+    return {"rows": ns.rows}
+
+
+if __name__ == "__main__":
+    main()

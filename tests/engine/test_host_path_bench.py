@@ -1,0 +1,53 @@
+"""bench/host_path.py on CPU: the engine's host cost per request with a stub forward, per scenario,
+with its phases, the host reads of tensors and cProfile's top functions; the stub only stands in
+for the model while the benchmark runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from helpers_bench import CPU
+from bench import host_path
+
+SMALL = ["--fresh", "16", "--repeat", "16", "--rounds", "2", "--requests", "3", "--profile", "5", *CPU]
+
+
+def test_each_scenario_has_its_median_phases_reads_and_profile(tmp_path, capsys):
+    got = host_path.main([*SMALL, "--out", str(tmp_path)])
+    fresh, repeat = got["rows"]
+    assert (fresh["scenario"], fresh["computed"], repeat["scenario"], repeat["computed"]) == (
+        "fresh-16", "16", "repeat-16", "1")  # the repeated prompt computed its last token only
+    for row in (fresh, repeat):
+        assert row["requests"] == 6 and len(row["round_medians_ms"]) == 2
+        assert row["min_round_ms"] <= statistics.median(row["round_medians_ms"]) <= row["max_round_ms"]
+        assert 0 < row["median_ms"] < 50
+        phases = {name: (us, calls) for name, us, calls in row["phases"]}
+        assert {"requests", "admission", "build batch", "runner forward (stub model)", "sample", "finish",
+                "radix release", "output", "loop"} <= set(phases)
+        assert phases["runner forward (stub model)"][1] == 1 and phases["admission"][1] == 2  # two steps
+        assert all(us > 0 for name, (us, _) in phases.items() if name != "loop")
+        assert any("core/scheduler/overlap.py" in site and name == "tolist" for name, _, site, _ in row["host_reads"])
+        assert len(row["top_python"]) == 5 and all(us >= 0 for _, us, _ in row["top_python"])
+    (path,) = tmp_path.glob("host-path-tiny-llama-cpu-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["card"] == "cpu" and [r["median_ms"] for r in doc["rows"]] == [fresh["median_ms"], repeat["median_ms"]]
+    out = capsys.readouterr().out.rstrip().splitlines()  # the table comes last: title, header, two rows
+    assert out[-4].startswith("host ms per request outside the model") and out[-1].split()[0] == "repeat-16"
+
+
+def test_the_stub_stands_in_for_the_model_only_within_the_block():
+    from backplane import Engine
+
+    engine = Engine("tiny-llama", device="cpu", max_total_tokens=256)
+    params = host_path.steps.greedy(2)
+    real = engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)[0].token_ids
+    with host_path.stub_model(engine):
+        engine.flush_cache()
+        stub = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=params)
+        logits = engine.runner.model.forward.logits
+        rows = [int(logits[i].argmax()) for i in (0, 1)]  # one prefill batch, then one decode batch
+        assert [o.token_ids for o in stub] == [[rows[0]] * 2, [rows[1]] * 2]
+    engine.flush_cache()
+    assert "forward" not in vars(engine.runner.model)
+    assert engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)[0].token_ids == real
