@@ -14,8 +14,9 @@ Then three passes that explain the time, none of them in the medians: per phase,
 time (its callees that are phases excluded) summed over the timed functions of the scheduler loop
 ("loop": what no phase covers: generate's and the step's own code); --profile N: cProfile's top N
 functions by own time per request; and every place a tensor is read on the host (item, tolist,
-cpu, bool, int, float, numpy, equal) with its call site: on a GPU, a read of a device tensor waits for
-the device (a sync); on CPU every tensor is a host tensor, so the list is every candidate.
+cpu, bool, int, float, numpy, equal) and every explicit CUDA synchronisation, with its call site: on a
+GPU a read of a device tensor waits for the device (a sync); on CPU every tensor is a host tensor, so
+the list is every candidate.
 
     python -m bench.host_path                                 # tiny-llama on CPU, seconds
     python -m bench.host_path --fresh 128 --repeat 512 --profile 20
@@ -27,6 +28,7 @@ import argparse
 import cProfile
 import collections
 import contextlib
+import functools
 import pstats
 import statistics
 import sys
@@ -47,7 +49,8 @@ COLUMNS = [("scenario", "scenario", ""), ("computed", "computed", ""), ("median 
            ("requests", "requests", "d")]
 READ_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal"})
 ROOT = str(Path(__file__).resolve().parents[1])
-PROJECT = (ROOT + "/core/", ROOT + "/plugins/")  # the files a call site is named in
+SYNC_CALLS = ((torch.cuda.Event, "synchronize", "Event.synchronize"), (torch.cuda.Stream, "synchronize",
+              "Stream.synchronize"), (torch.cuda, "synchronize", "cuda.synchronize"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,14 +230,16 @@ def _where(file: str, line: int, fn: str) -> str:
     return f"{name}:{line}({fn})" if name else fn
 
 
-# -- host reads of tensors --------------------------------------------------------------------------
+# -- host reads of tensors and synchronisations -----------------------------------------------------
 
 class HostReads(TorchFunctionMode):
-    """Counts every host read of a tensor (READ_NAMES) by the project's call site that made it."""
+    """Counts every host read of a tensor (READ_NAMES) and every explicit CUDA synchronisation
+    (SYNC_CALLS, patched while the mode is on) by the project's call site that made it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sites: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._patches = contextlib.ExitStack()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
@@ -243,20 +248,49 @@ class HostReads(TorchFunctionMode):
             self.sites[(name, device, _call_site())] += 1
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self):
+        from unittest import mock
+
+        for owner, attr, name in SYNC_CALLS:
+            self._patches.enter_context(mock.patch.object(owner, attr, self._counted(getattr(owner, attr), name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._patches.close()
+        return super().__exit__(*exc)
+
+    def _counted(self, fn: Callable, name: str) -> Callable:
+        def call(*args, **kwargs):
+            self.sites[(name, "cuda", _call_site())] += 1
+            return fn(*args, **kwargs)
+        return call
+
+
+@functools.cache
+def _project_dirs() -> tuple[str, ...]:
+    """The folders of backplane and its bundled plugins, wherever they are installed."""
+    import backplane
+    import backplane.plugins
+
+    return tuple(str(Path(m.__file__).resolve().parent) + "/" for m in (backplane, backplane.plugins))
+
 
 def _call_site() -> str:
-    """file:line (function) of the innermost frame in backplane (core/ or plugins/), outside this module."""
-    frame = sys._getframe(2)
+    """file:line (function) of the innermost frame in backplane or its plugins (named from the
+    package folder's parent, e.g. core/scheduler/overlap.py), two frames up from here and beyond."""
+    dirs, frame = _project_dirs(), sys._getframe(2)
     while frame is not None:
         file = frame.f_code.co_filename
-        if file.startswith(PROJECT):
-            return f"{file[len(ROOT) + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        top = next((d for d in dirs if file.startswith(d)), None)
+        if top is not None:
+            parent = str(Path(top).parent)
+            return f"{file[len(parent) + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "?"
 
 
 def host_reads(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str, str, float]]:
-    """(read, tensor device, call site, per request) of n requests of `sc`, by call site."""
+    """(read or synchronisation, tensor device, call site, per request) of n requests of `sc`, by call site."""
     reads = HostReads()
     for i in range(n):
         request, prepare = one_request(engine, sc, seed=9000 + i)
@@ -276,8 +310,8 @@ def explain(engine: Engine, ns: argparse.Namespace) -> None:
         row["host_reads"] = host_reads(engine, sc, 3)
         print(f"{sc.name} phases (us per request, own time): "
               + ", ".join(f"{k} {us:.1f}" + (f" x{c:g}" if c != 1 else "") for k, us, c in row["phases"]))
-        print(f"{sc.name} tensor reads on the host per request: "
-              + ("; ".join(f"{name} {site} x{k:g}" for name, _, site, k in row["host_reads"]) or "none"))
+        print(f"{sc.name} host reads of tensors and syncs per request: "
+              + ("; ".join(f"{name} ({dev}) {site} x{k:g}" for name, dev, site, k in row["host_reads"]) or "none"))
         if ns.profile:
             row["top_python"] = profile_top(engine, sc, n, ns.profile)
             print(f"{sc.name} cProfile top {ns.profile} (us per request, own time):")

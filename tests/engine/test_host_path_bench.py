@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
+import torch
+
 from helpers_bench import CPU
 from bench import host_path
 
@@ -51,3 +54,20 @@ def test_the_stub_stands_in_for_the_model_only_within_the_block():
     engine.flush_cache()
     assert "forward" not in vars(engine.runner.model)
     assert engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)[0].token_ids == real
+
+
+def test_host_reads_name_each_read_and_each_cuda_synchronisation_with_its_call_site():
+    from backplane.scheduler.overlap import LaunchedStep
+
+    reads = host_path.HostReads()
+    with reads:
+        LaunchedStep.launch([], torch.tensor([3]), torch.tensor([-0.5]))  # CPU: read at once, in launch
+        if not torch.cuda.is_available():
+            with pytest.raises((AssertionError, RuntimeError)):
+                torch.cuda.synchronize()  # no CUDA here: counted, then refused
+    sites = {(name, device): site for name, device, site in reads.sites}
+    assert sites[("tolist", "cpu")].startswith("core/scheduler/overlap.py:") and sites[("tolist", "cpu")].endswith("(launch)")
+    assert reads.sites[("tolist", "cpu", sites[("tolist", "cpu")])] == 2  # tokens and log-probabilities
+    if not torch.cuda.is_available():
+        assert reads.sites[("cuda.synchronize", "cuda", "?")] == 1  # called from outside the project
+    assert torch.cuda.synchronize is not None and "call" not in torch.cuda.synchronize.__name__  # patch undone
