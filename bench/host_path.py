@@ -5,12 +5,13 @@ building the batch, the runner's planning around the model, sampling, finishing,
 and release, the output.
 
 Scenarios as bench/ttft.py names them: fresh-N (a fresh N-token prompt on an emptied cache) and
-repeat-N (the same N-token prompt sent again: all but its last token found in the cache). Each
-request is timed alone (the device synchronised around it), on an emptied cache with the scenario's
-prefix cached first (untimed); the medians are of --requests requests in each of --rounds rounds,
-scenarios interleaved (one untimed warm-up round first).
+repeat-N (the same N-token prompt sent again: all but its last token found in the cache), and for
+scale one decode step at --decode-context (decode@N: generate of 1 + --decode-steps tokens less one
+of 1 token, per step). Each request is timed alone (the device synchronised around it), on an
+emptied cache with the scenario's prefix cached first (untimed); the medians are of --requests
+requests in each of --rounds rounds, scenarios interleaved (one untimed warm-up round first).
 
-Then three passes that explain the time, none of them in the medians: per phase, each phase's own
+Then three passes that explain each request's time, none of them in the medians: per phase, each phase's own
 time (its callees that are phases excluded) summed over the timed functions of the scheduler loop
 ("loop": what no phase covers: generate's and the step's own code); --profile N: cProfile's top N
 functions by own time per request; and every place a tensor is read on the host (item, tolist,
@@ -42,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from backplane import Engine
 from backplane.contracts.batch import ForwardMode
 from backplane.contracts.model import ModelOutput
-from bench import report, steps, ttft
+from bench import report, steps, ttft, workload
 
 COLUMNS = [("scenario", "scenario", ""), ("computed", "computed", ""), ("median ms", "median_ms", ".3f"),
            ("min round ms", "min_round_ms", ".3f"), ("max round ms", "max_round_ms", ".3f"),
@@ -59,12 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--fresh", type=int, nargs="*", default=[128, 512], metavar="N", help="fresh prompts of N tokens")
     p.add_argument("--repeat", type=int, nargs="*", default=[512], metavar="N", help="an N-token prompt sent again")
+    p.add_argument("--decode-context", type=int, default=128,
+                   help="also a decode step's host ms at this context (0: none), from generate lengths 1 and 1 + --decode-steps")
+    p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
     p.add_argument("--requests", type=int, default=40, help="timed requests per scenario and round")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N functions per scenario")
     ns = p.parse_args(argv)
     ns.scenarios = [ttft.Scenario("fresh", 0, n) for n in ns.fresh] + [ttft.Scenario("repeat", n - 1, 1)
                                                                         for n in ns.repeat]
+    ns.scenarios += [ttft.Scenario("decode", ns.decode_context, 0)] if ns.decode_context else []
     return ns
 
 
@@ -112,8 +117,17 @@ def one_request(engine: Engine, sc: ttft.Scenario, seed: int) -> tuple[Callable[
     return (lambda: steps.timed_generate(engine, [prompt], params)), (lambda: ttft.reset(engine, setup))
 
 
-def time_request(engine: Engine, sc: ttft.Scenario, seed: int) -> tuple[float, int]:
-    """(ms of one request of `sc` on a prepared cache, the prompt tokens it computed)."""
+def time_request(engine: Engine, sc: ttft.Scenario, seed: int, decode_steps: int) -> tuple[float, int | None]:
+    """(ms of one request of `sc` on a prepared cache, the prompt tokens it computed); for a decode
+    scenario (ms of one decode step: a fresh prompt's generate of 1 + decode_steps tokens less one of 1
+    token, per step, None)."""
+    if sc.kind == "decode":
+        prompt = workload.prompts([sc.prefix], int(engine.runner.hf_config.vocab_size), seed=seed)[0]
+        seconds = []
+        for n in (1, 1 + decode_steps):
+            engine.flush_cache()
+            seconds.append(steps.timed_generate(engine, [prompt], steps.greedy(n))[0])
+        return (seconds[1] - seconds[0]) * 1e3 / decode_steps, None
     request, prepare = one_request(engine, sc, seed)
     prepare()
     before = engine.stats()["prefix_cache"]["prefill_tokens"]
@@ -128,7 +142,7 @@ def measure(engine: Engine, ns: argparse.Namespace) -> list[dict]:
     for r in range(ns.rounds + 1):  # round 0 warms up and is dropped
         for sc in ns.scenarios:
             for i in range(ns.requests):
-                ms, n = time_request(engine, sc, seed=1000 * r + i)
+                ms, n = time_request(engine, sc, 1000 * r + i, ns.decode_steps)
                 samples[sc][r].append(ms)
                 computed[sc].add(n)
     rows = []
@@ -136,7 +150,7 @@ def measure(engine: Engine, ns: argparse.Namespace) -> list[dict]:
         rounds = samples[sc][1:]
         medians = [statistics.median(ms) for ms in rounds]
         rows.append({"scenario": sc.name, "kind": sc.kind, "prefix": sc.prefix, "new": sc.new,
-                     "computed": " ".join(str(n) for n in sorted(computed[sc])),
+                     "computed": " ".join(str(n) for n in sorted(computed[sc]) if n is not None) or None,
                      "median_ms": statistics.median(ms for one in rounds for ms in one),
                      "round_medians_ms": medians, "min_round_ms": min(medians), "max_round_ms": max(medians),
                      "requests": sum(len(one) for one in rounds)})
@@ -306,6 +320,8 @@ def explain(engine: Engine, ns: argparse.Namespace) -> None:
     """Adds each row's phases, host reads and (with --profile) cProfile's top functions, and prints them."""
     n = max(ns.requests, 10)
     for sc, row in zip(ns.scenarios, ns.rows):
+        if sc.kind == "decode":  # its time is a difference of two requests: nothing to split
+            continue
         row["phases"] = phase_split(engine, sc, n)
         row["host_reads"] = host_reads(engine, sc, 3)
         print(f"{sc.name} phases (us per request, own time): "
@@ -321,7 +337,7 @@ def explain(engine: Engine, ns: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ns = parse_args(argv)
-    longest = max(sc.prefix + sc.new for sc in ns.scenarios)
+    longest = max(sc.prefix + max(sc.new, 1 + ns.decode_steps) for sc in ns.scenarios)
     engine = Engine(ns.model, device=ns.device, max_running_requests=16, max_total_tokens=4 * longest + 1024)
     try:
         with stub_model(engine):
@@ -332,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = {k: v for k, v in vars(ns).items() if k not in ("scenarios", "rows")}
     report.write_result("host-path", ns.model, {"args": args, "rows": ns.rows}, ns.out, ns.device)
     print(report.table(ns.rows, COLUMNS, f"host ms per request outside the model ({ns.model}, {ns.device}, "
-                                         "generate max_new_tokens=1, stub forward)"))
+                                         "generate max_new_tokens=1, stub forward; decode@N: per decode step)"))
     return {"rows": ns.rows}
 
 

@@ -13,12 +13,15 @@ import torch
 from helpers_bench import CPU
 from bench import host_path
 
-SMALL = ["--fresh", "16", "--repeat", "16", "--rounds", "2", "--requests", "3", "--profile", "5", *CPU]
+SMALL = ["--fresh", "16", "--repeat", "16", "--decode-context", "16", "--decode-steps", "3", "--rounds", "2",
+         "--requests", "3", "--profile", "5", *CPU]
 
 
 def test_each_scenario_has_its_median_phases_reads_and_profile(tmp_path, capsys):
     got = host_path.main([*SMALL, "--out", str(tmp_path)])
-    fresh, repeat = got["rows"]
+    fresh, repeat, decode = got["rows"]
+    assert decode["scenario"] == "decode@16" and decode["computed"] is None and "phases" not in decode
+    assert decode["requests"] == 6 and len(decode["round_medians_ms"]) == 2 and decode["median_ms"] > 0
     assert (fresh["scenario"], fresh["computed"], repeat["scenario"], repeat["computed"]) == (
         "fresh-16", "16", "repeat-16", "1")  # the repeated prompt computed its last token only
     for row in (fresh, repeat):
@@ -34,9 +37,10 @@ def test_each_scenario_has_its_median_phases_reads_and_profile(tmp_path, capsys)
         assert len(row["top_python"]) == 5 and all(us >= 0 for _, us, _ in row["top_python"])
     (path,) = tmp_path.glob("host-path-tiny-llama-cpu-*.json")
     doc = json.loads(path.read_text())
-    assert doc["meta"]["card"] == "cpu" and [r["median_ms"] for r in doc["rows"]] == [fresh["median_ms"], repeat["median_ms"]]
-    out = capsys.readouterr().out.rstrip().splitlines()  # the table comes last: title, header, two rows
-    assert out[-4].startswith("host ms per request outside the model") and out[-1].split()[0] == "repeat-16"
+    assert doc["meta"]["card"] == "cpu" and [r["median_ms"] for r in doc["rows"]] == [
+        fresh["median_ms"], repeat["median_ms"], decode["median_ms"]]
+    out = capsys.readouterr().out.rstrip().splitlines()  # the table comes last: title, header, three rows
+    assert out[-5].startswith("host ms per request outside the model") and out[-1].split()[0] == "decode@16"
 
 
 def test_the_stub_stands_in_for_the_model_only_within_the_block():
