@@ -28,7 +28,9 @@ class HostBatch:
     only, (slot tensors, prefix length) of each request with a cached prefix, from the host record
     `req.slots`; `prefix_slots` joins them only when asked (tensor parallelism), so a single-device
     prefill pays nothing for it. Reading these never waits for the device, which is why tensor
-    parallelism sends them (backplane.distributed.batch_sync).
+    parallelism sends them (backplane.distributed.batch_sync), and why the graph runner pads a
+    replay from them: positions, out_cache_loc, req_pool_indices (and input_ids but placeholders)
+    must hold the values of the batch's device tensors.
     """
 
     input_ids: torch.Tensor

@@ -2,10 +2,10 @@
 
 At startup the runner asks the active plugins which modes they can run inside a graph, captures
 one graph per GraphKey (mode, padded batch size, tokens per request, plugin extras), largest batch
-first, all in the process's one graph memory pool, and afterwards replays them: copy the real
-batch into static buffers, pad to the next captured size (padded requests read slot 0 with the
-backend's seq_len fill value and write to the dump slot 0), refresh the backend's metadata in
-place, replay, slice the output back.
+first, all in the process's one graph memory pool, and afterwards replays them: pad the real
+batch to the next captured size on the host (padded requests read slot 0 with the backend's
+seq_len fill value and write to the dump slot 0) and copy it into the static buffers in one copy,
+refresh the backend's metadata in place, replay, slice the output back.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from backplane.contracts.batch import ForwardBatch, ForwardMode
+from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
 from backplane.contracts.forward_context import ForwardContext
 from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, extend_batch_sizes,
                                             extend_shape, extend_token_buckets, padded_size, tokens_per_request)
@@ -122,30 +122,100 @@ def rerun_capture(fn: Callable[[], Any], pool: Any = None, warmup: int = 1) -> t
     return RerunGraph(fn, output), output
 
 
-@dataclass
-class StaticInputs:
-    """The buffers captured graphs read; replay copies each real batch into them."""
+# The rows of StaticInputs.block; a replay's host tensor has the same layout (`pad_into`).
+# Rows SEQ, PREFIX and NEW hold int32 values: their first max_bs int32 are the buffers.
+_IDS, _POSITIONS, _SLOTS, _ROWS, _LOGITS, _INDPTR, _SEQ, _PREFIX, _NEW = range(9)
+_NUM_ROWS = 9
+# A block of at most this many bytes goes over whole at every replay: one contiguous copy. The first
+# columns of a larger one are a strided destination, which a copy reaches through a staging tensor
+# and a device kernel (two device operations).
+_WHOLE_BLOCK_BYTES = 64 * 1024
 
-    input_ids: torch.Tensor  # [max_tokens]
-    positions: torch.Tensor  # [max_tokens]
-    out_cache_loc: torch.Tensor  # [max_tokens]
-    req_pool_indices: torch.Tensor  # [max_bs]
-    seq_lens: torch.Tensor  # [max_bs]
-    # TARGET_VERIFY and EXTEND: the extend lengths; TARGET_VERIFY only: the tree mask (see ForwardBatch).
-    extend_prefix_lens: torch.Tensor  # [max_bs] int32
-    extend_seq_lens: torch.Tensor  # [max_bs] int32
-    mask_indptr: torch.Tensor  # [max_bs + 1] int64
-    custom_mask: torch.Tensor  # [mask_size] bool, mask_size = max_bs * tokens_per_request * max_context_len
-    logits_indices: torch.Tensor | None = None  # [max_bs] int64, EXTEND: the last new token of each request
+
+@dataclass(frozen=True)
+class PaddedViews:
+    """The static buffers' views for the graphs of one padded shape (batch_size requests,
+    num_tokens tokens), and `dst`: the block's first `width` columns, which their replays overwrite."""
+
+    width: int
+    dst: torch.Tensor  # [9, width] int64
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor  # [batch_size]
+    seq_lens: torch.Tensor
+    extend_prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    mask_indptr: torch.Tensor  # [batch_size + 1]
+
+
+class StaticInputs:
+    """The buffers captured graphs read: rows of ONE int64 block, so that a replay writes all of
+    them with one host-to-device copy (`pad_into`).
+
+    block: [9, width] int64, width = max(max_tokens, max_bs + 1); each buffer is (part of) a row:
+      input_ids, positions, out_cache_loc: [max_tokens] int64 (rows 0-2)
+      req_pool_indices: [max_bs] int64 (row 3)
+      logits_indices: [max_bs] int64 (row 4), EXTEND: the last new token of each request
+      mask_indptr: [max_bs + 1] int64 (row 5), TARGET_VERIFY
+      seq_lens, extend_prefix_lens, extend_seq_lens: [max_bs] int32, the first max_bs int32 of rows
+        6-8 (extend lengths: TARGET_VERIFY and EXTEND)
+    custom_mask: [mask_size] bool, TARGET_VERIFY's tree mask (see ForwardBatch),
+      mask_size = max_bs * tokens_per_request * max_context_len.
+    """
+
+    def __init__(self, max_bs: int, max_tokens: int, device, mask_size: int = 0):
+        self.max_bs, self.max_tokens = max_bs, max_tokens
+        self.block = torch.zeros((_NUM_ROWS, max(max_tokens, max_bs + 1)), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_cache_loc = self.block[:_ROWS, :max_tokens].unbind()
+        self.req_pool_indices, self.logits_indices = self.block[_ROWS:_INDPTR, :max_bs].unbind()
+        self.mask_indptr = self.block[_INDPTR, : max_bs + 1]
+        lens = self.block[_SEQ:].view(torch.int32)[:, :max_bs]  # [3, max_bs] int32
+        self.seq_lens, self.extend_prefix_lens, self.extend_seq_lens = lens.unbind()
+        self.custom_mask = torch.zeros(mask_size, dtype=torch.bool, device=device)
+        self._views: dict[tuple[int, int], PaddedViews] = {}
+        self._padding: dict[tuple, torch.Tensor] = {}
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device, mask_size: int = 0) -> StaticInputs:
-        def zeros(n, dtype=torch.int64):
-            return torch.zeros(n, dtype=dtype, device=device)
+        return cls(max_bs, max_tokens, device, mask_size)
 
-        return cls(zeros(max_tokens), zeros(max_tokens), zeros(max_tokens), zeros(max_bs), zeros(max_bs, torch.int32),
-                   zeros(max_bs, torch.int32), zeros(max_bs, torch.int32), zeros(max_bs + 1),
-                   zeros(mask_size, torch.bool), zeros(max_bs))
+    def views(self, batch_size: int, num_tokens: int) -> PaddedViews:
+        """The views for graphs of `batch_size` requests and `num_tokens` tokens (made once)."""
+        views = self._views.get((batch_size, num_tokens))
+        if views is None:
+            views = self._views[(batch_size, num_tokens)] = self._new_views(batch_size, num_tokens)
+        return views
+
+    def padding(self, key: GraphKey, pad_row: int, fill: int) -> torch.Tensor:
+        """[9, width] int64 on the host, laid out as `block`: what every replay of `key` starts from,
+        its requests all padding (row `pad_row`; seq_len `fill` under a uniform key, 0 under an extend
+        one; a verify's tokens_per_request new tokens each), its tokens id, position and slot 0. Made
+        once per key shape; a replay writes a copy of it."""
+        verify = key.mode is ForwardMode.TARGET_VERIFY
+        cached = (key.batch_size, key.num_tokens, key.ragged, verify and key.tokens_per_request, pad_row, fill)
+        padding = self._padding.get(cached)
+        if padding is None:
+            pbs = key.batch_size
+            padding = torch.zeros((_NUM_ROWS, self.views(pbs, key.num_tokens).width), dtype=torch.int64)
+            padding[_ROWS, :pbs] = pad_row
+            lens = padding[_SEQ:].view(torch.int32)
+            lens[0, :pbs] = 0 if key.ragged else fill
+            lens[2, :pbs] = key.tokens_per_request if verify else 0
+            self._padding[cached] = padding
+        return padding
+
+    def _new_views(self, bs: int, n: int) -> PaddedViews:
+        if bs > self.max_bs or n > self.max_tokens:
+            raise ValueError(f"graph runner: expected a graph of at most {self.max_bs} requests and "
+                             f"{self.max_tokens} tokens (the static buffers), got {bs} requests x {n} tokens")
+        whole = self.block.numel() * self.block.element_size() <= _WHOLE_BLOCK_BYTES
+        width = self.block.shape[1] if whole else max(n, bs + 1)
+        return PaddedViews(width, self.block[:, :width], self.input_ids[:n], self.positions[:n],
+                           self.out_cache_loc[:n], self.req_pool_indices[:bs], self.seq_lens[:bs],
+                           self.extend_prefix_lens[:bs], self.extend_seq_lens[:bs], self.logits_indices[:bs],
+                           self.mask_indptr[: bs + 1])
 
 
 def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int, fill: int) -> ForwardBatch:
@@ -153,37 +223,56 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
 
     Uniform keys: padded requests use request row `pad_row` (all zeros: slot 0), seq_len `fill`, and
     write their K/V to the dump slot 0. Ragged (extend) keys: see `_pad_extend`.
+
+    The padded content is built on the host (the real batch over a copy of the key's padding,
+    `StaticInputs.padding`) and goes over in one non-blocking copy; after it, on the device, only
+    what the host lacks (`_fill_real`) and a verify's tree mask. Nothing waits for the device.
     """
+    pbs = key.batch_size
+    views = static.views(pbs, key.num_tokens)
+    host = static.padding(key, pad_row, fill).clone()  # fresh: see the NOTE below
+    lens = host[_SEQ:].view(torch.int32)  # [3, 2 * width]: seq_lens, prefix lens, extend lens
+    from_device = _fill_real(host, lens, batch)
     if key.ragged:
-        return _pad_extend(static, batch, key, pad_row)
-    bs = batch.batch_size
-    pbs, pn = key.batch_size, key.num_tokens
-    _copy_and_pad(static, batch, pbs, pn, pad_row)
-    if pbs > bs:
-        static.seq_lens[bs:pbs].fill_(fill)
-    pad = torch.full((pbs - bs,), fill, dtype=torch.int32)
-    seq_lens_cpu = torch.cat([batch.seq_lens_cpu.to(torch.int32), pad])
-    view = _view(static, key, batch, seq_lens_cpu)
-    if key.mode is ForwardMode.TARGET_VERIFY:
-        _pad_verify(static, view, key, batch.custom_mask, bs)
+        _pad_extend(host, lens, batch, key)
+    mask = _pad_verify(host, lens, batch, key) if key.mode is ForwardMode.TARGET_VERIFY else None
+    # NOTE: `host` is fresh and nothing writes it after this copy (the padded batch keeps views of it
+    # as its host copies), so the copy may complete after we return: a pageable source is staged by
+    # the copy itself.
+    views.dst.copy_(host, non_blocking=True)
+    for name, tensor in from_device:  # after the block copy in stream order: overwrites its zeros
+        getattr(static, name)[: tensor.shape[0]].copy_(tensor)
+    view = _view(views, key, batch, lens[0, :pbs])
+    if key.ragged or mask is not None:
+        view.extend_prefix_lens, view.extend_seq_lens = views.extend_prefix_lens, views.extend_seq_lens
+        view.extend_prefix_lens_cpu, view.extend_seq_lens_cpu = lens[1, :pbs], lens[2, :pbs]
+    if key.ragged:
+        view.logits_indices = views.logits_indices
+    if mask is not None:
+        _copy_mask(static, view, batch.custom_mask, *mask)
+        view.mask_indptr = views.mask_indptr
     return view
 
 
-def _copy_and_pad(static: StaticInputs, batch: ForwardBatch, pbs: int, pn: int, pad_row: int) -> None:
-    """Copy `batch`'s tokens and requests into the static buffers; padded tokens (up to `pn`) get id,
-    position and slot 0 (K/V to the dump slot), padded requests (up to `pbs`) the row `pad_row`."""
-    bs, n = batch.batch_size, batch.num_tokens
-    static.input_ids[:n].copy_(batch.input_ids)
-    static.positions[:n].copy_(batch.positions)
-    static.out_cache_loc[:n].copy_(batch.out_cache_loc)
-    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-    static.seq_lens[:bs].copy_(batch.seq_lens)
-    if pn > n:
-        static.input_ids[n:pn].zero_()
-        static.positions[n:pn].zero_()
-        static.out_cache_loc[n:pn].zero_()
-    if pbs > bs:
-        static.req_pool_indices[bs:pbs].fill_(pad_row)
+def _fill_real(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch) -> list[tuple[str, torch.Tensor]]:
+    """Write `batch`'s tokens, request rows and seq_lens into `host` (laid out as StaticInputs.block)
+    from its host copies (`batch.host`, `seq_lens_cpu`); returns the (static buffer, device tensor)
+    pairs to copy on the device instead: all of them for a batch without host copies (capture,
+    speculative drafts, tensor-parallel workers), the input ids when they hold placeholders that
+    the device resolved (overlap scheduling)."""
+    n, bs = batch.num_tokens, batch.batch_size
+    lens[0, :bs] = batch.seq_lens_cpu  # the padded batch's seq_lens_cpu, whichever way the device gets them
+    copies = batch.host
+    if copies is None or copies.input_ids.shape[0] != n or copies.req_pool_indices.shape[0] != bs:
+        return [("input_ids", batch.input_ids), ("positions", batch.positions), ("out_cache_loc", batch.out_cache_loc),
+                ("req_pool_indices", batch.req_pool_indices), ("seq_lens", batch.seq_lens)]
+    host[_POSITIONS, :n] = copies.positions
+    host[_SLOTS, :n] = copies.out_cache_loc
+    host[_ROWS, :bs] = copies.req_pool_indices
+    if copies.has_placeholders:
+        return [("input_ids", batch.input_ids)]
+    host[_IDS, :n] = copies.input_ids
+    return []
 
 
 def extend_lens_cpu(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,78 +286,60 @@ def extend_lens_cpu(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.seq_lens_cpu.to(torch.int32) - new, new
 
 
-def _pad_extend(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int) -> ForwardBatch:
+def _pad_extend(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key: GraphKey) -> None:
     """Pad an extend batch of bs requests and n new tokens to key.batch_size requests and
     key.token_bucket tokens: request bs (row `pad_row`, no prefix) takes the bucket's n..T tokens
     (position 0, K/V to the dump slot 0), further padded requests have none; every padded
-    request's logits row reads token 0 and is dropped at replay. Device work only (no host sync).
+    request's logits row reads token 0 and is dropped at replay. Writes `host` and `lens` (see
+    `pad_into`) from the batch's host extend lengths.
     """
     bs, n = batch.batch_size, batch.num_tokens
     pbs, pn = key.batch_size, key.num_tokens
     if n > pn or bs > pbs or (n < pn and bs == pbs):
         raise ValueError(f"graph runner: an extend batch of {bs} requests and {n} tokens does not fit graph "
                          f"{pbs} requests x {pn} tokens (a padded request needs a slot)")
-    prefix_cpu, new_cpu = extend_lens_cpu(batch)
-    _copy_and_pad(static, batch, pbs, pn, pad_row)
-    new_dev = batch.extend_seq_lens if batch.extend_seq_lens is not None else new_cpu.to(static.seq_lens.device)
-    static.extend_seq_lens[:bs].copy_(new_dev)
-    if batch.extend_prefix_lens is not None:
-        static.extend_prefix_lens[:bs].copy_(batch.extend_prefix_lens)
-    else:
-        torch.sub(static.seq_lens[:bs], static.extend_seq_lens[:bs], out=static.extend_prefix_lens[:bs])
-    torch.cumsum(static.extend_seq_lens[:bs], 0, out=static.logits_indices[:bs])
-    static.logits_indices[:bs].sub_(1)
-    pad_lens = [pn - n] + [0] * (pbs - bs - 1) if pbs > bs else []
-    if pbs > bs:
-        static.seq_lens[bs].fill_(pn - n)
-        static.extend_seq_lens[bs].fill_(pn - n)
-        static.seq_lens[bs + 1:pbs].zero_()
-        static.extend_seq_lens[bs + 1:pbs].zero_()
-        static.extend_prefix_lens[bs:pbs].zero_()
-        static.logits_indices[bs:pbs].zero_()
-    pad = torch.tensor(pad_lens, dtype=torch.int32)
-    new_p = torch.cat([new_cpu, pad])
-    prefix_p = torch.cat([prefix_cpu, torch.zeros(pbs - bs, dtype=torch.int32)])
-    view = _view(static, key, batch, prefix_p + new_p)
-    view.extend_seq_lens, view.extend_prefix_lens = static.extend_seq_lens[:pbs], static.extend_prefix_lens[:pbs]
-    view.extend_seq_lens_cpu, view.extend_prefix_lens_cpu = new_p, prefix_p
-    view.logits_indices = static.logits_indices[:pbs]
-    return view
+    prefix, new = extend_lens_cpu(batch)
+    lens[1, :bs], lens[2, :bs] = prefix, new
+    if pbs > bs:  # the padded request's seq_len: its new tokens; the others' stay 0
+        lens[0, bs] = lens[2, bs] = pn - n
+    logits = host[_LOGITS, :bs]
+    torch.cumsum(new, 0, out=logits)
+    logits.sub_(1)
 
 
-def _pad_verify(static: StaticInputs, view: ForwardBatch, key: GraphKey, real_mask: torch.Tensor | None,
-                real_bs: int) -> None:
-    """Fill the verify fields of a padded view: the real requests' tree mask, then an all-visible
-    [tokens_per_request, seq_len] block for each padded request; extend lengths from seq_lens."""
-    if real_mask is None:
+def _pad_verify(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key: GraphKey) -> tuple[int, int]:
+    """The verify fields of a padded batch, into `host` and `lens` (see `pad_into`): extend lengths
+    from seq_lens, and the mask's indptr with an all-visible [tokens_per_request, seq_len] block
+    for each padded request. Returns (mask entries of the real requests, of all of them)."""
+    if batch.custom_mask is None:
         raise ValueError("graph runner: a TARGET_VERIFY batch needs custom_mask, got None")
-    pbs, tpr = view.batch_size, key.tokens_per_request
-    sizes = tpr * view.seq_lens_cpu.to(torch.int64)  # [pbs] mask entries per request
-    indptr = torch.zeros(pbs + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(sizes, 0)
-    real, total = int(indptr[real_bs]), int(indptr[pbs])
+    pbs, tpr = key.batch_size, key.tokens_per_request
+    seq = lens[0, :pbs]  # extend lengths: tpr, from the padding
+    torch.sub(seq, tpr, out=lens[1, :pbs])
+    indptr = host[_INDPTR, : pbs + 1]  # indptr[0] = 0
+    torch.cumsum(seq, 0, out=indptr[1:])
+    indptr.mul_(tpr)  # tpr * seq_len mask entries per request
+    return int(indptr[batch.batch_size]), int(indptr[pbs])
+
+
+def _copy_mask(static: StaticInputs, view: ForwardBatch, real_mask: torch.Tensor, real: int, total: int) -> None:
+    """The real requests' tree mask, then all-visible entries for the padded ones (on the device)."""
     if total > static.custom_mask.numel():
         raise ValueError(f"graph runner: expected a verify mask of at most {static.custom_mask.numel()} entries, "
                          f"got {total}")
-    static.custom_mask[:real].copy_(real_mask.view(-1)[:real])
-    static.custom_mask[real:total].fill_(True)
-    static.mask_indptr[: pbs + 1].copy_(indptr, non_blocking=True)  # a fresh host tensor: no stream sync
-    static.extend_seq_lens[:pbs].fill_(tpr)
-    torch.sub(static.seq_lens[:pbs], tpr, out=static.extend_prefix_lens[:pbs])
-    view.custom_mask, view.mask_indptr = static.custom_mask[:total], static.mask_indptr[: pbs + 1]
-    view.extend_seq_lens, view.extend_prefix_lens = static.extend_seq_lens[:pbs], static.extend_prefix_lens[:pbs]
-    view.extend_seq_lens_cpu = torch.full((pbs,), tpr, dtype=torch.int32)
-    view.extend_prefix_lens_cpu = view.seq_lens_cpu.to(torch.int32) - tpr
+    if real:
+        static.custom_mask[:real].copy_(real_mask.view(-1)[:real])
+    if total > real:
+        static.custom_mask[real:total].fill_(True)
+    view.custom_mask = static.custom_mask[:total]
 
 
-def _view(static: StaticInputs, key: GraphKey, like: ForwardBatch, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
-    pbs, pn = key.batch_size, key.num_tokens
+def _view(views: PaddedViews, key: GraphKey, like: ForwardBatch, seq_lens_cpu: torch.Tensor) -> ForwardBatch:
     return ForwardBatch(
-        forward_mode=key.mode, batch_size=pbs, input_ids=static.input_ids[:pn],
-        positions=static.positions[:pn], req_pool_indices=static.req_pool_indices[:pbs],
-        seq_lens=static.seq_lens[:pbs], seq_lens_cpu=seq_lens_cpu, out_cache_loc=static.out_cache_loc[:pn],
-        req_to_token_pool=like.req_to_token_pool, token_to_kv_pool=like.token_to_kv_pool,
-        spec_info=like.spec_info, plugin_inputs=dict(like.plugin_inputs),
+        forward_mode=key.mode, batch_size=key.batch_size, input_ids=views.input_ids, positions=views.positions,
+        req_pool_indices=views.req_pool_indices, seq_lens=views.seq_lens, seq_lens_cpu=seq_lens_cpu,
+        out_cache_loc=views.out_cache_loc, req_to_token_pool=like.req_to_token_pool,
+        token_to_kv_pool=like.token_to_kv_pool, spec_info=like.spec_info, plugin_inputs=dict(like.plugin_inputs),
     )
 
 
@@ -394,39 +465,32 @@ class GraphRunner:
         return self.fill
 
     def _capture_batch(self, key: GraphKey) -> ForwardBatch:
-        if key.ragged:
-            return self._capture_extend_batch(key)
-        fill = self.fill_for(key)
-        self.static.req_pool_indices[: key.batch_size].fill_(self.pad_row)
-        self.static.seq_lens[: key.batch_size].fill_(fill)
-        self.static.out_cache_loc[: key.num_tokens].zero_()
-        seq_lens_cpu = torch.full((key.batch_size,), fill, dtype=torch.int32)
-        like = ForwardBatch(forward_mode=key.mode, batch_size=key.batch_size, input_ids=self.static.input_ids,
-                            positions=self.static.positions, req_pool_indices=self.static.req_pool_indices,
-                            seq_lens=self.static.seq_lens, seq_lens_cpu=seq_lens_cpu,
-                            out_cache_loc=self.static.out_cache_loc, req_to_token_pool=self.ctx.req_to_token_pool,
-                            token_to_kv_pool=self.ctx.token_to_kv_pool)
-        view = _view(self.static, key, like, seq_lens_cpu)
-        if key.mode is ForwardMode.TARGET_VERIFY:  # capture with a mask: replays always carry one
-            _pad_verify(self.static, view, key, self.static.custom_mask[:0], 0)
-        return view
-
-    def _capture_extend_batch(self, key: GraphKey) -> ForwardBatch:
-        """A batch of key.batch_size padded requests sharing the bucket's tokens (one request the
-        rest, every other one token; no prefix), written into the static buffers."""
+        """The batch a graph of `key` is captured with, padded into the static buffers: a uniform
+        key's requests are all padding; an extend key's key.batch_size requests share the bucket's
+        tokens (one request the rest, every other one token; no prefix), all on row pad_row."""
         bs, n = key.batch_size, key.num_tokens
-        lens = [n - (bs - 1)] + [1] * (bs - 1)
-        device = self.ctx.device
-        lens_cpu = torch.tensor(lens, dtype=torch.int32)
-        positions = torch.cat([torch.arange(k) for k in lens]).to(device)
-        like = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=bs,
-                            input_ids=torch.zeros(n, dtype=torch.int64, device=device), positions=positions,
-                            req_pool_indices=torch.full((bs,), self.pad_row, dtype=torch.int64, device=device),
-                            seq_lens=lens_cpu.to(device), seq_lens_cpu=lens_cpu,
-                            out_cache_loc=torch.zeros(n, dtype=torch.int64, device=device),
-                            req_to_token_pool=self.ctx.req_to_token_pool, token_to_kv_pool=self.ctx.token_to_kv_pool)
-        like.set_extend_lens([0] * bs, lens)
-        return _pad_extend(self.static, like, key, self.pad_row)
+        lens = [n - (bs - 1)] + [1] * (bs - 1) if key.ragged else []
+        like = self._host_built_batch(key.mode, lens)
+        if key.mode is ForwardMode.TARGET_VERIFY:  # capture with a mask: replays always carry one
+            like.custom_mask = self.static.custom_mask[:0]
+        return pad_into(self.static, like, key, self.pad_row, self.fill_for(key))
+
+    def _host_built_batch(self, mode: ForwardMode, lens: list[int]) -> ForwardBatch:
+        """Requests of `lens` new tokens (no prefix) on row pad_row, token ids and slots 0, with
+        host copies as the batch builder makes them."""
+        n, bs, device = sum(lens), len(lens), self.ctx.device
+        zeros = torch.zeros(n, dtype=torch.int64)
+        positions = torch.cat([torch.arange(k) for k in lens]) if lens else zeros
+        rows = torch.full((bs,), self.pad_row, dtype=torch.int64)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        like = ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=zeros.to(device), positions=positions.to(device),
+                            req_pool_indices=rows.to(device), seq_lens=seq_lens.to(device), seq_lens_cpu=seq_lens,
+                            out_cache_loc=zeros.to(device), req_to_token_pool=self.ctx.req_to_token_pool,
+                            token_to_kv_pool=self.ctx.token_to_kv_pool,
+                            host=HostBatch(input_ids=zeros, positions=positions, out_cache_loc=zeros, req_pool_indices=rows))
+        if mode is ForwardMode.EXTEND:
+            like.extend_prefix_lens_cpu, like.extend_seq_lens_cpu = torch.zeros(bs, dtype=torch.int32), seq_lens
+        return like
 
     def _capture_one(self, key: GraphKey) -> None:
         batch = self._capture_batch(key)

@@ -9,8 +9,10 @@ tokens' positions (a windowed layer reads them under a tree mask). A
 DRAFT_EXTEND graph with the same tokens in every request (an EAGLE draft window) is bound like a
 verify graph without a mask (causal). An EXTEND graph (a token bucket shared by requests of any
 lengths, `key.ragged`) reads its own qo_indptr and prefix lengths, rewritten from the padded
-batch's extend lengths at every replay; its grid covers the whole bucket in every request (the
-kernel skips the blocks past a request's new tokens).
+batch's host extend lengths at every replay in one copy (the two are rows of one buffer), and the
+capture batch's request rows themselves: the graph runner's static buffer, which it rewrites before
+every replay (copied only when a replay's batch has another); its grid covers the whole bucket in
+every request (the kernel skips the blocks past a request's new tokens).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ class GraphBuffers:
         self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=device)
-        # EXTEND graphs: their own indptr and prefix lengths (verify graphs keep theirs from capture).
-        self.extend_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self.extend_prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        # EXTEND graphs: their own indptr and prefix lengths (verify graphs keep theirs from capture),
+        # the rows of one buffer that a replay writes in one copy.
+        self.extend_lens = torch.zeros((2, max_bs + 1), dtype=torch.int32, device=device)
+        self.extend_qo_indptr = self.extend_lens[0]
+        self.extend_prefix_lens = self.extend_lens[1, :max_bs]
         self.ragged: set[Any] = set()
         self.custom_mask: torch.Tensor | None = None  # allocated by the first verify capture with a mask
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)  # verify with a mask
@@ -62,7 +66,7 @@ class GraphBuffers:
         if bs > self.max_bs:
             raise ValueError(f"triton attention graph: expected batch size <= {self.max_bs}, got {bs}")
         if getattr(key, "ragged", False) and batch.forward_mode is ForwardMode.EXTEND:
-            meta = self._extend_metadata(bs, key.num_tokens)
+            meta = self._extend_metadata(batch, key.num_tokens)
             self.ragged.add(key)
         elif batch.forward_mode is ForwardMode.DECODE:
             meta = self._decode_metadata(bs)
@@ -81,14 +85,13 @@ class GraphBuffers:
     def refresh(self, key: Any, batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
         meta = self.metadata[key]
         bs = batch.batch_size
-        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         if key in self.ragged:
-            if batch.extend_seq_lens is None or batch.extend_prefix_lens is None:
-                raise ValueError("triton attention graph: an extend graph's batch needs extend_seq_lens and "
-                                 "extend_prefix_lens (the graph runner's padded view has them)")
-            torch.cumsum(batch.extend_seq_lens, 0, out=self.extend_qo_indptr[1 : bs + 1])
-            self.extend_prefix_lens[:bs].copy_(batch.extend_prefix_lens)
+            _check_extend_lens(batch)
+            self._refresh_extend_lens(batch)
+            if batch.req_pool_indices.data_ptr() != meta.req_pool_indices.data_ptr():
+                meta.req_pool_indices.copy_(batch.req_pool_indices)
             return meta
+        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         if isinstance(meta, DecodeMetadata):
             self.seq_lens[:bs].copy_(batch.seq_lens)
             return meta
@@ -113,14 +116,33 @@ class GraphBuffers:
             attn_lse=self.attn_lse[:n].view(bs, self.num_heads, splits),
         )
 
-    def _extend_metadata(self, bs: int, bucket: int) -> ExtendMetadata:
-        """Requests of any lengths sharing `bucket` tokens: the grid spans the whole bucket."""
+    def _extend_metadata(self, batch: ForwardBatch, bucket: int) -> ExtendMetadata:
+        """Requests of any lengths sharing `bucket` tokens: the grid spans the whole bucket. The
+        request rows are the capture batch's own tensor when the kernels can read it (int64,
+        contiguous): the graph runner's static buffer, which a replay of the runner's padded batch
+        need not copy."""
+        _check_extend_lens(batch)
+        bs, rows = batch.batch_size, batch.req_pool_indices
         return ExtendMetadata(
-            req_pool_indices=self.req_pool_indices[:bs],
+            req_pool_indices=rows if rows.dtype == torch.int64 and rows.is_contiguous() else self.req_pool_indices[:bs],
             qo_indptr=self.extend_qo_indptr[: bs + 1],
             prefix_lens=self.extend_prefix_lens[:bs],
             max_q_len=bucket,
         )
+
+    def _refresh_extend_lens(self, batch: ForwardBatch) -> None:
+        """qo_indptr and prefix lengths of an extend graph: built on the host from the batch's host
+        extend lengths and written with one copy of both rows (a fresh pageable tensor, staged
+        before the copy returns), else from its device ones."""
+        bs, new, prefix = batch.batch_size, batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
+        if new is None or prefix is None:
+            torch.cumsum(batch.extend_seq_lens, 0, out=self.extend_qo_indptr[1 : bs + 1])
+            self.extend_prefix_lens[:bs].copy_(batch.extend_prefix_lens)
+            return
+        host = torch.zeros(self.extend_lens.shape, dtype=torch.int32)
+        torch.cumsum(new, 0, out=host[0, 1 : bs + 1])
+        host[1, :bs] = prefix
+        self.extend_lens.copy_(host, non_blocking=True)
 
     def _verify_metadata(self, batch: ForwardBatch) -> ExtendMetadata:
         bs, per_request = batch.batch_size, batch.tokens_per_request
@@ -176,3 +198,10 @@ class GraphBuffers:
         counts = torch.full((bs,), per_request, dtype=torch.int32, device=self.mask_indptr.device)
         rows = mask_row_counts(self.prefix_lens[:bs], counts)
         self.mask_indptr[1 : bs + 1].copy_(torch.cumsum(rows, 0))
+
+
+def _check_extend_lens(batch: ForwardBatch) -> None:
+    if batch.extend_seq_lens is None or batch.extend_prefix_lens is None:
+        raise ValueError("triton attention graph: an extend graph's batch needs extend_seq_lens and "
+                         "extend_prefix_lens (the graph runner's padded view has them)")
+
