@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
             explain(engine, ns)
     finally:
         engine.shutdown()
-    args = {k: v for k, v in vars(ns).items() if k not in ("scenarios", "rows")}
+    args = {k: v for k, v in vars(ns).items() if k not in ("scenarios", "rows", "out")}  # no machine paths
     report.write_result("host-path", ns.model, {"args": args, "rows": ns.rows}, ns.out, ns.device)
     print(report.table(ns.rows, COLUMNS, f"host ms per request outside the model ({ns.model}, {ns.device}, "
                                          "generate max_new_tokens=1, stub forward; decode@N: per decode step)"))

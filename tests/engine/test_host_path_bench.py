@@ -37,6 +37,7 @@ def test_each_scenario_has_its_median_phases_reads_and_profile(tmp_path, capsys)
         assert len(row["top_python"]) == 5 and all(us >= 0 for _, us, _ in row["top_python"])
     (path,) = tmp_path.glob("host-path-tiny-llama-cpu-*.json")
     doc = json.loads(path.read_text())
+    assert "out" not in doc["args"] and str(tmp_path) not in path.read_text()  # no machine paths in a result
     assert doc["meta"]["card"] == "cpu" and [r["median_ms"] for r in doc["rows"]] == [
         fresh["median_ms"], repeat["median_ms"], decode["median_ms"]]
     out = capsys.readouterr().out.rstrip().splitlines()  # the table comes last: title, header, three rows
