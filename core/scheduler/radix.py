@@ -72,6 +72,7 @@ def common_length(a: list[int], b: list[int]) -> int:
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_FEW_SLOTS = 32  # at most this many slots are compared as lists (a recomputed last token: one)
 
 
 def join_slots(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -170,8 +171,11 @@ class RadixTree:
     def _free_duplicates(self, given: torch.Tensor, cached: torch.Tensor) -> None:
         if self.free_slots is None or torch.equal(given, cached):  # the usual case: the request's own slots
             return
-        duplicate = given != cached
-        self.free_slots(given[duplicate])
+        if given.numel() <= _FEW_SLOTS:  # NOTE: two list reads beat a mask and its gather on a few slots
+            self.free_slots(torch.tensor([g for g, c in zip(given.tolist(), cached.tolist()) if g != c],
+                                         dtype=torch.int64))
+            return
+        self.free_slots(given[given != cached])
 
     def _split(self, child: RadixNode, n: int) -> RadixNode:
         """Cut `child`'s edge after n tokens: a new node takes the first n and becomes its parent.

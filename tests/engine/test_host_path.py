@@ -149,6 +149,21 @@ def test_a_match_within_one_edge_shares_its_slots_and_one_over_several_joins_the
     assert join_slots([]).numel() == 0 and join_slots([slots(1), slots(2, 3)]).tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("n", [1, 5, 32, 33, 300])  # compared as lists up to 32 slots, by a mask beyond
+def test_insert_frees_exactly_the_duplicate_slots_in_order(n):
+    freed = []
+    tree = RadixTree(lambda s: freed.append((s.dtype, s.tolist())))
+    key = list(range(100, 100 + n))
+    cached = torch.arange(1, n + 1)
+    tree.insert(key, cached)
+    given = cached.clone()
+    given[::3] += 1000  # every third token computed again in a slot of its own
+    assert tree.insert(key, given) == n
+    assert freed == [(torch.int64, given[::3].tolist())]
+    assert tree.match(key).slots.tolist() == cached.tolist()  # the tree keeps its own slots
+    assert tree.insert(key, cached) == n and len(freed) == 1  # the same slots again: nothing to free
+
+
 def test_a_cached_prefix_lands_in_its_row_and_goes_back_to_the_tree_on_release():
     cache = enabled_cache()
     prompt = list(range(3, 23))
