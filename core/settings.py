@@ -100,11 +100,10 @@ class EngineArgs(BaseSettings):
     disable_cuda_graph_padding: bool = Field(
         False, description="replay graphs only at exactly captured batch sizes (default ladder 1..32, 64, 128); "
         "other sizes run eagerly")
-    # NOTE: true by default until piecewise capture (torch_native) has replayed on a GPU: full extend
-    # capture (triton, flashinfer) passed its GPU tests on 2026-12-07; --no-disable-extend-graph captures them.
+    # Extend graphs are on by default since 2026-12-07: full capture (triton, flashinfer) and piecewise
+    # capture (torch_native) replayed equal to eager in their GPU tests and the GPU matrix (docs/reliability.md).
     disable_extend_graph: bool = Field(
-        True, description="run prefill and extend batches eagerly (decode and verify graphs stay); default "
-        "true until extend graphs are validated on a GPU: --no-disable-extend-graph captures them")
+        False, description="run prefill and extend batches eagerly (decode and verify graphs stay)")
     cuda_graph_max_tokens: int | None = Field(
         None, ge=1, description="largest token bucket of the extend graphs (default: 512, at most "
         "--chunked-prefill-size); larger prefills run eagerly")
