@@ -7,7 +7,8 @@
 #   command: AREAS="extend:300 fp8:90" BENCH="ttft:300 quant-decode:200" bash bench/gpu_suite.sh
 #
 # Write the commit first (the tree there has no git): git rev-parse --short HEAD > .device/commit
-# AREAS: name:seconds of the test areas below (pytest -m gpu, faulthandler dump after FH seconds);
+# AREAS: name:seconds of the test areas below (pytest -m gpu, faulthandler dump after FH seconds,
+# XDIST workers if set);
 # BENCH: group:budget of `python -m bench.run` (bench/run.py lists them). What comes back under
 # $OUT: each area's pytest log, each group's archive, the FlashInfer modules and the Triton cache
 # (copy both into .device/ for the next call). A fresh machine JIT-builds FlashInfer (about 25 s a
@@ -36,7 +37,9 @@ for spec in ${AREAS:-}; do
   name=${spec%%:*} limit=${spec##*:} t0=$(date +%s)
   [ -z "${FILES[$name]:-}" ] && { echo "unknown area $name (known: ${!FILES[*]})"; continue; }
   # The CPU moe_triton files set TRITON_INTERPRET: never in the same run as these.
-  timeout -s INT "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=${FH:-120} \
+  # XDIST=n: n pytest workers on the one GPU (pytest-xdist is on the machine): a bare machine's cold
+  # Triton compiles and FlashInfer JIT builds (most of a first call) then run n at a time.
+  timeout -s INT "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=${FH:-120} ${XDIST:+-n $XDIST} \
     --durations=15 -rfE ${FILES[$name]} > "$OUT/pytest-$name.txt" 2>&1
   rc=$?
   echo "== $name rc $rc in $(( $(date +%s) - t0 )) s: $(grep -c ' PASSED' "$OUT/pytest-$name.txt") passed," \
