@@ -1,6 +1,9 @@
 """Running the batch the scheduler chose: build it, let the participants describe it, forward it
 (through the speculative worker when there is one), sample on the device and start the copy of
 the tokens to the host (a `LaunchedStep`, read by the scheduler one step later under overlap).
+
+A prefill batch whose every request computes one new token (a fully cached prompt's last token, a
+chunked prompt's last chunk of one) is a decode step and runs as one (`prefill_runs_as_decode`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from backplane.scheduler.decode_state import DecodeState
 from backplane.scheduler.overlap import FutureTokens, LaunchedStep
 from backplane.scheduler.request import Req
 from backplane.scheduler.sampling_state import SamplingCache
+from backplane.speculative.worker import SpecWorker
 
 
 class BatchLauncher:
@@ -43,13 +47,43 @@ class BatchLauncher:
 
     def forward_prefill(self, reqs: list[Req], chunks: list[int]) -> torch.Tensor:
         """Prefill the next `chunks[i]` tokens of each request (advancing its num_cached); the
-        logits [len(reqs), vocab] of each request's last token in the batch."""
-        batch = self._prepare(build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool), reqs)
+        logits [len(reqs), vocab] of each request's last token in the batch. An EXTEND batch, or
+        the DECODE batch it equals when `prefill_runs_as_decode`; the caller's bookkeeping is the same."""
+        if self.prefill_runs_as_decode(reqs, chunks):
+            batch = build_decode_batch(reqs, self.kv_pool, self.req_pool)
+        else:
+            batch = build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool)
+        batch = self._prepare(batch, reqs)
         for req, n in zip(reqs, chunks):
             req.num_cached += n
         if self.spec_worker is not None:  # EAGLE keeps the target's hidden states of the prompt
             return self.spec_worker.forward_prefill(batch, reqs, chunks).logits
         return self.runner.forward(batch).logits
+
+    def prefill_runs_as_decode(self, reqs: list[Req], chunks: list[int]) -> bool:
+        """Whether the prefill of `chunks[i]` new tokens of each of `reqs` runs as a DECODE batch.
+
+        When every request computes exactly one new token, its one query (position num_cached)
+        attends to all of the request's cached tokens and its K/V goes to its new slot: that is a
+        decode step, so it takes the decode graph of its batch size (split-KV decode kernels)
+        instead of an extend graph's token bucket, for the same logits. It stays EXTEND where the
+        decode form would not be the same forward:
+        - tensor parallelism: a worker learns a request's cached prefix slots from an EXTEND
+          message only (backplane.distributed.batch_sync sends `prefix_slots` with EXTEND batches);
+        - a speculative algorithm that reads the prefill (`_plain_prefill`): EAGLE keeps the
+          target's hidden states of every prefilled token for its draft.
+        The scheduler never sets a custom mask or logits rows on a prefill, has no prompt
+        logprobs and no embedding inputs, and LoRA describes a decode batch as it does an extend
+        one (a one-token segment per request), so none of these keeps EXTEND.
+        """
+        if any(n != 1 for n in chunks):
+            return False
+        return not self.tensor_parallel and (self.spec_worker is None or _plain_prefill(self.spec_worker))
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the runner's forwards go to other tensor-parallel ranks too."""
+        return getattr(getattr(self.runner, "parallel", None), "tp_size", 1) > 1
 
     def sample_prefilled(self, reqs: list[Req], logits: torch.Tensor) -> LaunchedStep | None:
         """Sample the requests whose whole prompt (and output so far) is now cached; None if none is."""
@@ -108,3 +142,12 @@ class BatchLauncher:
         if self.future is not None and read_later:
             self.future.store(reqs, tokens)
         return LaunchedStep.launch(reqs, tokens, logprobs)
+
+
+def _plain_prefill(spec_worker: Any) -> bool:
+    """Whether a speculative worker's prefill is the target's forward alone: it asks for no hidden
+    states and keeps nothing of the prefill (SpecWorker's own `forward_prefill` and `after_prefill`,
+    as ngram has). EAGLE overrides `after_prefill` to keep the target's hidden states."""
+    cls = type(spec_worker)
+    return (isinstance(spec_worker, SpecWorker) and not spec_worker.capture_hidden
+            and cls.forward_prefill is SpecWorker.forward_prefill and cls.after_prefill is SpecWorker.after_prefill)
