@@ -195,7 +195,8 @@ def phase_targets(engine: Engine) -> list[tuple[object, str, str]]:
     sched, launcher, cache = engine.scheduler, engine.scheduler.launcher, engine.scheduler.prefix_cache
     return [(engine, "_make_requests", "requests"), (sched, "add", "queue"),
             (scheduler_module, "admit_prefill", "admission"), (cache, "match", "radix match"),
-            (launcher_module, "build_extend_batch", "build batch"), (launcher.decode_state, "build", "build batch"),
+            (launcher_module, "build_extend_batch", "build batch"), (launcher_module, "build_decode_batch", "build batch"),
+            (launcher.decode_state, "build", "build batch"),
             (engine.runner, "forward", "runner forward (stub model)"), (launcher.sampling, "get", "sampling setup"),
             (launcher_module, "sample", "sample"), (launcher, "_launch", "launch tokens' copy"),
             (cache, "cache_prefilled", "radix insert"), (LaunchedStep, "new_tokens", "read tokens"),

@@ -147,7 +147,8 @@ def profile(engine: Engine, sc: Scenario) -> dict:
 
 @contextlib.contextmanager
 def replay_spy(engine: Engine, keys: list[str]):
-    """Within the block, every extend graph the engine replays is noted in `keys` as "REQUESTSxTOKENS"."""
+    """Within the block, every graph the engine replays is noted in `keys`: an extend graph as
+    "REQUESTSxTOKENS", another as "MODE@REQUESTS" (a cached prompt's one new token replays decode@1)."""
     graphs = engine.runner.graph_runner
     if graphs is None:
         yield
@@ -156,8 +157,7 @@ def replay_spy(engine: Engine, keys: list[str]):
 
     def spy(batch, key=None):
         key = key or graphs.key_for(batch)
-        if key.ragged:
-            keys.append(f"{key.batch_size}x{key.token_bucket}")
+        keys.append(f"{key.batch_size}x{key.token_bucket}" if key.ragged else f"{key.mode.value}@{key.batch_size}")
         return replay(graphs, batch, key)
 
     graphs.replay = spy  # NOTE: an instance attribute shadows the method until the block ends

@@ -149,15 +149,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def count_computed_tokens(engine) -> list[int]:
-    """Wrap the runner's forward: the list gets the number of tokens of every extend batch."""
-    counts, forward = [], engine.runner.forward
+    """Wrap the launcher's prefill: the list gets the number of new tokens of every prefill batch
+    (whatever mode it reaches the runner in: a batch of one-token prefills runs as DECODE)."""
+    counts, forward_prefill = [], engine.scheduler.launcher.forward_prefill
 
-    def counting(batch, **options):
-        if batch.forward_mode == ForwardMode.EXTEND:
-            counts.append(batch.num_tokens)
-        return forward(batch, **options)
+    def counting(reqs, chunks, *args, **options):
+        counts.append(sum(chunks))
+        return forward_prefill(reqs, chunks, *args, **options)
 
-    engine.runner.forward = counting
+    engine.scheduler.launcher.forward_prefill = counting
     return counts
 
 

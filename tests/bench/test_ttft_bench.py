@@ -68,9 +68,10 @@ def test_extend_graphs_replay_the_buckets_the_ladder_names(tmp_path, monkeypatch
     got = ttft.main(["--models", "tiny-llama", "--backends", "triton", "--fresh", "16", "--repeat", "16",
                      "--prefix", "16", "8", "--decode-context", "0", "--repeats", "1", "--no-compile",
                      "--cuda-graph-max-tokens", "16", "--cuda-graph-max-extend-bs", "2", "--out", str(tmp_path), *CPU])
-    # buckets 8 and 16 of 1 or 2 requests: a request of 1 new token shares bucket 8 with the padded one
+    # buckets 8 and 16 of 1 or 2 requests; a cached prompt's one new token runs as a decode batch
+    # (the launcher's one-token prefills) and replays the decode graph of one request
     assert {r["scenario"]: (r["computed"], r["replayed"]) for r in got["rows"]} == {
-        "fresh-16": ("16", "1x16"), "repeat-16": ("1", "2x8"), "prefix-16+8": ("8", "1x8")}
+        "fresh-16": ("16", "1x16"), "repeat-16": ("1", "decode@1"), "prefix-16+8": ("8", "1x8")}
     off, on = got["captures"]
     assert (off["variant"], off["graphs"], off["extend"]) == ("off", 0, None)
     assert (on["variant"], on["graphs"], on["extend"], on["extend_buckets"], on["extend_sizes"]) == ("on", 5, "full", [8, 16], [1, 2])

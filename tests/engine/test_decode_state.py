@@ -30,16 +30,27 @@ def prompts_of(lengths, seed=0):
 
 
 def record_decode_batches(engine) -> list[tuple]:
-    """Spy on the runner: each decode batch's fields as (values, dtype, device type), in step order."""
-    seen, forward = [], engine.runner.forward
+    """Spy on the runner: each decode step's batch fields as (values, dtype, device type), in step
+    order; a prefill of one-token chunks, which reaches the runner as DECODE too, is not a step."""
+    seen, forward, prefilling = [], engine.runner.forward, [False]
+    launcher = engine.scheduler.launcher
+    forward_prefill = launcher.forward_prefill
+
+    def in_prefill(*args, **options):
+        prefilling[0] = True
+        try:
+            return forward_prefill(*args, **options)
+        finally:
+            prefilling[0] = False
 
     def spy(batch):
-        if batch.forward_mode is ForwardMode.DECODE:
+        if batch.forward_mode is ForwardMode.DECODE and not prefilling[0]:
             seen.append(tuple((getattr(batch, f).tolist(), getattr(batch, f).dtype, getattr(batch, f).device.type)
                               for f in FIELDS))
         return forward(batch)
 
     engine.runner.forward = spy
+    launcher.forward_prefill = in_prefill
     return seen
 
 
