@@ -78,7 +78,7 @@ GROUPS: dict[str, list[Job]] = {
               tests("tests-triton-graphs-lora", *DECODE_TESTS, *LORA_TESTS, GPU("prefix_cache"),
                     "tests/models/test_models_vs_hf.py", "tests/distributed/test_tp.py", k=PARALLEL),
               tests("tests-graph-memory", GPU("graph_runner"), GPU("spec"), k=SERIAL)],
-    "matrix": matrix_shards(4),
+    "matrix": matrix_shards(int(os.environ.get("BACKPLANE_MATRIX_JOBS", "4"))),  # shards side by side on the one GPU
     "kernels": [bench("attention", "attention --sweep"), bench("lora-kernels", "lora_kernels"), bench("ops", "ops")],
     "attention-1b": [bench("attention-hd64", "attention --only decode --sweep --head-dim 64 --decode-cases 1x512 8x512 "
                            "32x512 32x2048")],
