@@ -27,7 +27,7 @@ OUT=${OUT:-$(mktemp -d)}
 commit=$(git rev-parse --short HEAD 2>/dev/null || cat .device/commit 2>/dev/null || echo unknown)
 
 declare -A FILES=(
-  [extend]="tests/gpu/test_extend_graphs_gpu.py tests/gpu/test_piecewise_gpu.py tests/lora/test_lora_extend_graphs.py"
+  [extend]="tests/gpu/test_extend_graphs_gpu.py tests/gpu/test_piecewise_gpu.py tests/lora/test_lora_extend_graphs.py tests/gpu/test_one_token_extend_gpu.py tests/executor/test_replay_inputs.py tests/gpu/test_overlap_gpu.py"
   [fp8]="tests/plugins/quant_fp8 tests/gpu/test_fp8_kv_gpu.py tests/lora/test_lora_fp8_base.py"
   [models]="-k graphs tests/models/test_model_conformance.py tests/plugins/model_gemma tests/plugins/model_phi3 tests/plugins/test_newcomer_olmo2.py tests/plugins/model_moe/test_model_moe_conformance.py"
   [moe]="tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_fp8_gpu.py tests/plugins/model_moe/test_moe_gpu.py tests/testing/test_moe_conformance.py tests/moe"
