@@ -11,6 +11,15 @@ of 1 token, per step). Each request is timed alone (the device synchronised arou
 emptied cache with the scenario's prefix cached first (untimed); the medians are of --requests
 requests in each of --rounds rounds, scenarios interleaved (one untimed warm-up round first).
 
+--pressure BS...: a decode step's host ms at batch size BS on a full KV pool (pressure@BS), where
+every step must evict from the radix cache to find its BS slots (the steady state of a server whose
+cache has filled). On an engine of its own whose pool holds PRESSURE_POOL_REQUESTS x the largest BS
+requests of --pressure-prompt + 1 + --pressure-steps tokens: the cache is emptied and filled again
+with such requests (distinct prompts) until no request's worth of slots is free, then BS fresh
+prompts are timed generating 1 + --pressure-steps tokens, less the same after the same fill
+generating 1, per step (a full garbage collection before each timed run). One sample per BS in each
+round, batch sizes interleaved.
+
 Then three passes that explain each request's time, none of them in the medians: per phase, each phase's own
 time (its callees that are phases excluded) summed over the timed functions of the scheduler loop
 ("loop": what no phase covers: generate's and the step's own code); --profile N: cProfile's top N
@@ -21,6 +30,7 @@ the list is every candidate.
 
     python -m bench.host_path                                 # tiny-llama on CPU, seconds
     python -m bench.host_path --fresh 128 --repeat 512 --profile 20
+    python -m bench.host_path --fresh --repeat --decode-context 0 --pressure 64 256
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import cProfile
 import collections
 import contextlib
 import functools
+import gc
 import pstats
 import statistics
 import sys
@@ -50,6 +61,8 @@ COLUMNS = [("scenario", "scenario", ""), ("computed", "computed", ""), ("median 
            ("requests", "requests", "d")]
 READ_NAMES = frozenset({"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal"})
 ROOT = str(Path(__file__).resolve().parents[1])
+FILL_SEEDS = 1 << 30  # fill_cache's prompts' seeds start here: none is a timed request's
+PRESSURE_POOL_REQUESTS = 4  # --pressure's pool: the running batch's requests and 3 times as many cached
 SYNC_CALLS = ((torch.cuda.Event, "synchronize", "Event.synchronize"), (torch.cuda.Stream, "synchronize",
               "Stream.synchronize"), (torch.cuda, "synchronize", "cuda.synchronize"))
 
@@ -66,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
     p.add_argument("--requests", type=int, default=40, help="timed requests per scenario and round")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's top N functions per scenario")
+    p.add_argument("--pressure", type=int, nargs="*", default=[], metavar="BS",
+                   help="also a decode step's host ms at batch size BS on a full KV pool (every step evicts)")
+    p.add_argument("--pressure-prompt", type=int, default=64, help="prompt tokens of --pressure's requests")
+    p.add_argument("--pressure-steps", type=int, default=32, help="decode steps of --pressure's requests")
     ns = p.parse_args(argv)
     ns.scenarios = [ttft.Scenario("fresh", 0, n) for n in ns.fresh] + [ttft.Scenario("repeat", n - 1, 1)
                                                                         for n in ns.repeat]
@@ -145,16 +162,68 @@ def measure(engine: Engine, ns: argparse.Namespace) -> list[dict]:
                 ms, n = time_request(engine, sc, 1000 * r + i, ns.decode_steps)
                 samples[sc][r].append(ms)
                 computed[sc].add(n)
-    rows = []
-    for sc in ns.scenarios:
-        rounds = samples[sc][1:]
-        medians = [statistics.median(ms) for ms in rounds]
-        rows.append({"scenario": sc.name, "kind": sc.kind, "prefix": sc.prefix, "new": sc.new,
-                     "computed": " ".join(str(n) for n in sorted(computed[sc]) if n is not None) or None,
-                     "median_ms": statistics.median(ms for one in rounds for ms in one),
-                     "round_medians_ms": medians, "min_round_ms": min(medians), "max_round_ms": max(medians),
-                     "requests": sum(len(one) for one in rounds)})
-    return rows
+    return [{"scenario": sc.name, "kind": sc.kind, "prefix": sc.prefix, "new": sc.new,
+             "computed": " ".join(str(n) for n in sorted(computed[sc]) if n is not None) or None,
+             **medians(samples[sc][1:])} for sc in ns.scenarios]
+
+
+def medians(rounds: list[list[float]]) -> dict:
+    """The median of every sample of the timed rounds, each round's median, their extremes and the count."""
+    per_round = [statistics.median(ms) for ms in rounds]
+    return {"median_ms": statistics.median(ms for one in rounds for ms in one), "round_medians_ms": per_round,
+            "min_round_ms": min(per_round), "max_round_ms": max(per_round), "requests": sum(len(one) for one in rounds)}
+
+
+# -- decode under a full pool -----------------------------------------------------------------------
+
+def pressure_settings(ns: argparse.Namespace) -> dict:
+    """--pressure's engine: room for the largest batch and PRESSURE_POOL_REQUESTS times its requests."""
+    largest = max(ns.pressure)
+    per_request = ns.pressure_prompt + 1 + ns.pressure_steps
+    return dict(model=ns.model, device=ns.device, max_running_requests=largest,
+                max_total_tokens=PRESSURE_POOL_REQUESTS * largest * per_request)
+
+
+def fill_cache(engine: Engine, ns: argparse.Namespace, seed: int) -> None:
+    """An emptied cache filled again with requests of --pressure's shape (distinct prompts, in batches of
+    the largest BS) until less than one request's tokens are free in the pool."""
+    engine.flush_cache()
+    vocab, pool = int(engine.runner.hf_config.vocab_size), engine.runner.token_to_kv_pool
+    per_request = ns.pressure_prompt + 1 + ns.pressure_steps
+    for batch in range(PRESSURE_POOL_REQUESTS + 2):
+        if pool.num_free < per_request:
+            return
+        fill = workload.prompts([ns.pressure_prompt] * max(ns.pressure), vocab, seed=seed + batch)
+        steps.timed_generate(engine, fill, steps.greedy(1 + ns.pressure_steps))
+    raise RuntimeError(f"--pressure: the cache did not fill the pool ({pool.num_free} slots still free)")
+
+
+def pressure_step_ms(engine: Engine, ns: argparse.Namespace, bs: int, seed: int) -> float:
+    """Host ms of one decode step of `bs` fresh requests on a full pool: generate of 1 + --pressure-steps
+    tokens less one of 1 token, each after the same fill, per step."""
+    prompts = workload.prompts([ns.pressure_prompt] * bs, int(engine.runner.hf_config.vocab_size), seed=seed)
+    seconds = []
+    for n in (1, 1 + ns.pressure_steps):
+        fill_cache(engine, ns, seed=FILL_SEEDS + 100 * seed)  # no fill prompt is one of the timed ones
+        gc.collect()  # NOTE: a full collection inside a timed run (~120 ms on the dev CPU) would swamp its steps
+        seconds.append(steps.timed_generate(engine, prompts, steps.greedy(n))[0])
+    return (seconds[1] - seconds[0]) * 1e3 / ns.pressure_steps
+
+
+def measure_pressure(ns: argparse.Namespace) -> list[dict]:
+    """One row per --pressure batch size: pressure_step_ms in each round (batch sizes interleaved; the
+    first round warms up and is dropped)."""
+    samples = {bs: [[] for _ in range(ns.rounds + 1)] for bs in ns.pressure}
+    engine = Engine(**pressure_settings(ns))
+    try:
+        with stub_model(engine):
+            for r in range(ns.rounds + 1):
+                for bs in ns.pressure:
+                    samples[bs][r].append(pressure_step_ms(engine, ns, bs, seed=100 * r + bs))
+    finally:
+        engine.shutdown()
+    return [{"scenario": f"pressure@{bs}", "kind": "pressure", "batch_size": bs, "prefix": ns.pressure_prompt,
+             "new": 1 + ns.pressure_steps, "computed": None, **medians(samples[bs][1:])} for bs in ns.pressure]
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -336,8 +405,8 @@ def explain(engine: Engine, ns: argparse.Namespace) -> None:
                 print(f"  {us:8.1f}  x{calls:<6g} {fn}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ns = parse_args(argv)
+def measure_scenarios(ns: argparse.Namespace) -> None:
+    """ns.rows: the scenarios' rows, explained (explain)."""
     longest = max(sc.prefix + max(sc.new, 1 + ns.decode_steps) for sc in ns.scenarios)
     engine = Engine(ns.model, device=ns.device, max_running_requests=16, max_total_tokens=4 * longest + 1024)
     try:
@@ -346,10 +415,20 @@ def main(argv: list[str] | None = None) -> dict:
             explain(engine, ns)
     finally:
         engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ns = parse_args(argv)
+    ns.rows = []
+    if ns.scenarios:
+        measure_scenarios(ns)
+    if ns.pressure:
+        ns.rows += measure_pressure(ns)
     args = {k: v for k, v in vars(ns).items() if k not in ("scenarios", "rows", "out")}  # no machine paths
     report.write_result("host-path", ns.model, {"args": args, "rows": ns.rows}, ns.out, ns.device)
     print(report.table(ns.rows, COLUMNS, f"host ms per request outside the model ({ns.model}, {ns.device}, "
-                                         "generate max_new_tokens=1, stub forward; decode@N: per decode step)"))
+                                         "generate max_new_tokens=1, stub forward; decode@N: per decode step; "
+                                         "pressure@BS: per decode step of BS requests on a full pool)"))
     return {"rows": ns.rows}
 
 

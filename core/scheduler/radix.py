@@ -10,6 +10,17 @@ prefix holds a reference (`lock`) on the deepest node of its match; a referenced
 ancestors are never evicted. `evict(n)` frees unreferenced leaves, least recently used first,
 until `n` slots are back in the pool (or nothing more is evictable).
 
+Eviction pops a heap of (last access, push order, node) instead of walking the tree. Every
+unreferenced leaf has exactly one entry, pushed when it became one, and no node has two; an entry's
+access is at most its node's (a node's last access only grows: it is set to the clock's newest
+value). An entry that comes up for a node used since is pushed back at the node's access, one for a
+node referenced or given a child since is dropped (the node is pushed again when it is an
+unreferenced leaf again). So the first entry that comes up unchanged is the least recently used
+leaf, the heap never holds more entries than the tree has nodes, and evicting k leaves costs
+O(k log n) plus one pop for each use, reference or child that came since its entry's push.
+Two unreferenced leaves never share a last access (a match or insert stamps the nodes of one path,
+and a path holds at most one leaf), so the order is total.
+
 Accounting, at every moment: `evictable_size + protected_size == total_size` (tokens in the tree),
 and free + total_size + slots private to requests == the pool's size.
 
@@ -37,8 +48,9 @@ class RadixNode:
     children: dict[int, RadixNode] = field(default_factory=dict)  # first token of the child's key -> child
     lock_ref: int = 0
     last_access: int = 0
+    in_heap: bool = False  # the tree's eviction heap holds an entry for this node (see the module doc)
 
-    def __lt__(self, other: RadixNode) -> bool:  # heap order: least recently used first
+    def __lt__(self, other: RadixNode) -> bool:  # least recently used first (the eviction heap orders so too)
         return self.last_access < other.last_access
 
 
@@ -94,6 +106,8 @@ class RadixTree:
         self.evictable_size = 0
         self.protected_size = 0
         self._clock = itertools.count(1)
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (access, push order, node), see the module doc
+        self._pushes = itertools.count()
 
     @property
     def total_size(self) -> int:
@@ -166,6 +180,7 @@ class RadixTree:
         leaf = RadixNode(list(key[i:]), slots[i:].clone(), parent=node, last_access=now)
         node.children[key[i]] = leaf
         self.evictable_size += len(leaf.key)  # nobody references a new leaf yet
+        self._offer(leaf)
         return i, leaf
 
     def _free_duplicates(self, given: torch.Tensor, cached: torch.Tensor) -> None:
@@ -207,6 +222,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)
                 self.evictable_size += len(node.key)
+                self._offer(node)
             node = node.parent
 
     # -- eviction -------------------------------------------------------------------------------
@@ -214,20 +230,31 @@ class RadixTree:
     def evict(self, num_slots: int) -> int:
         """Free unreferenced leaves, least recently used first, until `num_slots` slots are freed
         (a leaf is freed whole, so possibly more) or none is left; return the number freed."""
-        heap = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_slots and heap:
-            leaf = heapq.heappop(heap)
+        while freed < num_slots and self._heap:
+            access, _, leaf = heapq.heappop(self._heap)
+            if leaf.lock_ref or leaf.children:  # referenced or inner now: offered again once a free leaf
+                leaf.in_heap = False
+                continue
+            if leaf.last_access != access:  # used since the push: back in at its last access
+                heapq.heappush(self._heap, (leaf.last_access, next(self._pushes), leaf))
+                continue
+            leaf.in_heap = False
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             self.evictable_size -= len(leaf.key)
             freed += len(leaf.key)
             if self.free_slots is not None:
                 self.free_slots(leaf.slots)
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+            self._offer(parent)
         return freed
+
+    def _offer(self, node: RadixNode) -> None:
+        """Push `node` to the eviction heap if it is an unreferenced leaf (not a root) without an entry."""
+        if node.in_heap or node.lock_ref or node.children or node.parent is None:
+            return
+        node.in_heap = True
+        heapq.heappush(self._heap, (node.last_access, next(self._pushes), node))
 
     def nodes(self):
         """Every non-root node, depth first."""
