@@ -12,6 +12,11 @@ Engine from the pickled EngineArgs, answers `Ready` or `Failed` (messages.py), t
   idle. Text is decoded by the server, so detokenization costs the engine nothing;
 - at the end, `Stopped`, and the process exits.
 
+Once built, everything alive (modules, the model's Python objects, plugins: some 300,000 objects)
+goes to the permanent generation of the garbage collector (`freeze_startup_heap`), so that the
+loop's full collections scan only what serving allocates: about 110 ms a full collection of
+tiny-llama's engine on the dev CPU before, under a millisecond after.
+
 The process ignores SIGINT and SIGTERM (a Ctrl-C reaches the whole process group): the server
 drains and stops it. When the server process is gone the pipe reads EOF: the loop is stopped
 and the process exits within EXIT_GRACE_S whatever it is doing; a watchdog on the parent pid
@@ -20,6 +25,7 @@ does the same while the model is still loading.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -53,7 +59,7 @@ def engine_main(conn: Any, args: Any, max_queued_requests: int | None, plugins: 
     sender = _StepSender(channel, engine.scheduler)
     loop = EngineLoop(engine, sender, max_queued_requests)
     sender.stats = loop.stats
-    channel.send(_ready(engine, loop))
+    channel.send(_ready(engine, loop, freeze_startup_heap()))
     threading.Thread(target=_receive, args=(conn, loop, channel), name="backplane-engine-inbox", daemon=True).start()
     loop.run()
     loop.refuse_late_adds()
@@ -82,11 +88,23 @@ def _build_engine(args: Any, plugins: list[Any]) -> Any:
                   plugins=plugins)
 
 
-def _ready(engine: Any, loop: EngineLoop) -> Ready:
+def freeze_startup_heap() -> int:
+    """Collect, then move every object still alive to the garbage collector's permanent generation
+    (`gc.freeze`): startup's objects live as long as the process, and scanning them made each full
+    collection of a serving loop a pause of about 0.1 s. Objects allocated later are collected as
+    usual. For a process that serves one engine until it exits (not for a library caller, whose
+    later garbage cycles among these objects would never be freed). Returns the frozen count."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def _ready(engine: Any, loop: EngineLoop, gc_frozen: int = 0) -> Ready:
     """What the server needs to load the same tokenizer and answer /v1/models and /metrics."""
     runner = engine.runner
     return Ready(os.getpid(), runner.context_len,
-                 (runner.source.path, int(runner.hf_config.vocab_size), engine.args.tokenizer_path), loop.stats())
+                 (runner.source.path, int(runner.hf_config.vocab_size), engine.args.tokenizer_path), loop.stats(),
+                 gc_frozen)
 
 
 def _portable(exc: BaseException) -> BaseException:

@@ -61,6 +61,7 @@ class Ready:
     context_len: int
     tokenizer: tuple[Any, int, str | None]
     stats: dict[str, Any]
+    gc_frozen: int = 0  # objects the engine process moved to the permanent generation (freeze_startup_heap)
 
 
 @dataclass(frozen=True, slots=True)

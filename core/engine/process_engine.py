@@ -63,6 +63,7 @@ class ProcessEngine:
             self._kill()
             raise
         self.pid: int = ready.pid
+        self.gc_frozen: int = ready.gc_frozen  # objects the engine process froze after startup
         self.context_len: int = ready.context_len
         self._stats: dict[str, Any] = ready.stats
         self.dead: str | None = None

@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from backplane.engine import AsyncEngine, Engine
+from backplane.engine.engine_process import freeze_startup_heap
 from backplane.engine.process_engine import ProcessEngine
 from backplane.server.app import build_app, stop_engine
 from backplane.server.generation import SHUTDOWN_MESSAGE
@@ -84,6 +85,7 @@ def run_server(server_args: Any, serve_args: Any, plugin_set: Any) -> None:
                             timeout_graceful_shutdown=serve_args.shutdown_timeout + GRACE_S, access_log=False)
     if serve_args.access_log:
         logging.getLogger("backplane.server.access").setLevel(logging.INFO)
+    freeze_startup_heap()  # this process serves until it exits: its startup objects need no scanning
     state = app.state.server
     print(f"backplane serve: model {state.model_name} on http://{serve_args.host}:{serve_args.port} "
           "(OpenAI API under /v1)", flush=True)
