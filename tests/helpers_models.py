@@ -249,3 +249,47 @@ def forward_logits(engine, prompts: list[list[int]], next_tokens: list[int] | No
         for req in reqs:
             kv_pool.free(torch.cat(req.slots))
             req_pool.free(req.row)
+
+
+def save_llama_and_eagle(path, *, num_hidden_layers: int = 1, hidden_size: int = 64, intermediate_size: int = 96,
+                         num_attention_heads: int = 2, num_key_value_heads: int = 1, head_dim: int = 32) -> tuple[str, str]:
+    """A small random Llama saved under path/model and an EAGLE head reproducing it under path/eagle
+    (defaults: one layer, head dim 32, which the triton kernels serve); returns both directories."""
+    config = tiny_hf_config("LlamaForCausalLM", num_hidden_layers=num_hidden_layers, hidden_size=hidden_size,
+                            intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
+                            num_key_value_heads=num_key_value_heads, head_dim=head_dim)
+    model = make_hf_model(config)
+    model.save_pretrained(path / "model", safe_serialization=True)
+    return str(path / "model"), save_exact_eagle_head(model, path / "eagle")
+
+
+def save_gpu_llama(path, num_hidden_layers: int = 1):
+    """A random Llama of the GPU tests (hidden 256, 4 query and 2 KV heads of 64, vocabulary 512,
+    norms near 1 and weights of std 0.3, so that greedy tokens are decided) saved under `path`;
+    returns the transformers model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def count_graph_replays(graphs) -> list[tuple]:
+    """Wrap `graphs.replay` (an instance attribute shadowing the method): the list gets every
+    replay's (batch mode, real batch size, graph key)."""
+    calls, replay = [], graphs.replay
+
+    def counted(batch, key=None):
+        key = key or graphs.key_for(batch)
+        calls.append((batch.forward_mode, batch.batch_size, key))
+        return replay(batch, key)
+
+    graphs.replay = counted
+    return calls

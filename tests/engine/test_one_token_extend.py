@@ -21,7 +21,7 @@ from backplane.executor.graph_runner import GraphRunner, rerun_capture
 from backplane.scheduler.launcher import BatchLauncher, _plain_prefill
 from backplane.scheduler.request import Req
 from backplane.speculative import SpecWorker
-from helpers_models import make_hf_model, save_exact_eagle_head, tiny_hf_config, unused_slots
+from helpers_models import count_graph_replays, save_llama_and_eagle, unused_slots
 from lora_helpers import make_lora_world
 
 DECODE, EXTEND, VERIFY = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY
@@ -218,12 +218,7 @@ def test_ngram_runs_cached_prompts_as_decode(monkeypatch):
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     """A one-layer Llama (head dim 32, which the triton kernels serve) and an EAGLE head reproducing it."""
-    config = tiny_hf_config("LlamaForCausalLM", num_hidden_layers=1, hidden_size=64, intermediate_size=96,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    model = make_hf_model(config)
-    path = tmp_path_factory.mktemp("one_token_extend")
-    model.save_pretrained(path / "model", safe_serialization=True)
-    return str(path / "model"), save_exact_eagle_head(model, path / "eagle")
+    return save_llama_and_eagle(tmp_path_factory.mktemp("one_token_extend"))
 
 
 def test_eagle_keeps_a_one_token_chunk_extend(small_model):
@@ -277,15 +272,7 @@ def attach_graphs(engine: Engine) -> list[tuple]:
     graphs.capture_fn = rerun_capture
     graphs.capture()
     engine.runner.graph_runner = graphs
-    calls, replay = [], graphs.replay
-
-    def counted(batch, key=None):
-        key = key or graphs.key_for(batch)
-        calls.append((batch.forward_mode, batch.batch_size, key))
-        return replay(batch, key)
-
-    graphs.replay = counted
-    return calls
+    return count_graph_replays(graphs)
 
 
 @needs_interpreter

@@ -17,7 +17,7 @@ from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.executor.graph_runner import GraphRunner, StaticInputs, pad_into, rerun_capture
 from backplane.executor.graph_sizes import (GraphKey, capture_kinds, extend_batch_sizes, extend_shape,
                                             extend_token_buckets)
-from helpers_models import make_hf_model, save_exact_eagle_head, tiny_hf_config
+from helpers_models import save_llama_and_eagle
 
 # -- the ladders (no model) ------------------------------------------------------------------------
 
@@ -146,12 +146,7 @@ SMALL_GRAPHS = dict(cuda_graph_max_tokens=32, cuda_graph_max_extend_bs=4, cuda_g
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A one-layer Llama (head dim 32, which the triton kernels serve) and an EAGLE head reproducing it."""
-    config = tiny_hf_config("LlamaForCausalLM", num_hidden_layers=1, hidden_size=64, intermediate_size=96,
-                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    model = make_hf_model(config)
-    path = tmp_path_factory.mktemp("extend_graphs")
-    model.save_pretrained(path / "model", safe_serialization=True)
-    return str(path / "model"), save_exact_eagle_head(model, path / "eagle")
+    return save_llama_and_eagle(tmp_path_factory.mktemp("extend_graphs"))
 
 
 class Replays:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from backplane import Engine, SamplingParams
 from backplane.contracts.batch import ForwardMode
 from backplane.testing import attention_conformance
 from backplane.testing.attention_conformance import EXTEND_GRAPH_CASES
 from greedy_ties import check_divergences
-from helpers_models import save_exact_eagle_head, unused_slots
+from helpers_models import save_exact_eagle_head, save_gpu_llama, unused_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -35,18 +34,8 @@ SPECS = {
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A saved one-layer Llama (head dim 64) and an EAGLE head that reproduces it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
     root = tmp_path_factory.mktemp("extend_graphs_gpu")
-    model.save_pretrained(root / "target", safe_serialization=True)
+    model = save_gpu_llama(root / "target")
     return str(root / "target"), save_exact_eagle_head(model, root / "eagle")
 
 

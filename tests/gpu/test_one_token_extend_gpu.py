@@ -13,7 +13,7 @@ from backplane import Engine, SamplingParams
 from backplane.contracts.batch import ForwardMode
 from backplane.scheduler.launcher import BatchLauncher
 from greedy_ties import check_divergences
-from helpers_models import unused_slots
+from helpers_models import count_graph_replays, save_gpu_llama, unused_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -26,18 +26,8 @@ SHORT = [[7 + i, 40, 41 + i, 9] * (5 + i) for i in range(3)]
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A saved two-layer Llama (head dim 64, vocabulary 512)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
     path = tmp_path_factory.mktemp("one_token_extend_gpu") / "target"
-    model.save_pretrained(path, safe_serialization=True)
+    save_gpu_llama(path, num_hidden_layers=2)
     return str(path)
 
 
@@ -60,17 +50,8 @@ def _rounds(engine: Engine) -> list[list]:
 
 
 def _count_replays(engine: Engine) -> list[tuple]:
-    graphs, calls = engine.runner.graph_runner, []
-    assert graphs is not None, "no graph runner: CUDA graphs were not captured"
-    replay = graphs.replay
-
-    def counted(batch, key=None):
-        key = key or graphs.key_for(batch)
-        calls.append((batch.forward_mode, batch.batch_size, key))
-        return replay(batch, key)
-
-    graphs.replay = counted
-    return calls
+    assert engine.runner.graph_runner is not None, "no graph runner: CUDA graphs were not captured"
+    return count_graph_replays(engine.runner.graph_runner)
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
