@@ -263,14 +263,16 @@ def save_llama_and_eagle(path, *, num_hidden_layers: int = 1, hidden_size: int =
     return str(path / "model"), save_exact_eagle_head(model, path / "eagle")
 
 
-def save_gpu_llama(path, num_hidden_layers: int = 1):
-    """A random Llama of the GPU tests (hidden 256, 4 query and 2 KV heads of 64, vocabulary 512,
-    norms near 1 and weights of std 0.3, so that greedy tokens are decided) saved under `path`;
-    returns the transformers model."""
+def save_gpu_llama(path, num_hidden_layers: int = 1, hidden_size: int = 256, num_attention_heads: int = 4,
+                   num_key_value_heads: int = 2):
+    """A random Llama of the GPU tests (default: hidden 256, 4 query and 2 KV heads of 64; MLP twice
+    the hidden size, vocabulary 512, norms near 1 and weights of std 0.3, so that greedy tokens are
+    decided) saved under `path`; returns the transformers model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads,
                          vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()

@@ -14,7 +14,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from greedy_ties import check_divergences
-from helpers_models import unused_slots
+from helpers_models import save_gpu_llama, unused_slots
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,19 +27,9 @@ SHAPES = {  # name: (hidden, heads, kv heads) -> head dim 64 with GQA 2, head di
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def model_dir(request, tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     hidden, heads, kv_heads = SHAPES[request.param]
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.3 * torch.randn_like(param))
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, safe_serialization=True)
+    save_gpu_llama(path, num_hidden_layers=2, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads)
     return str(path)
 
 
