@@ -4,6 +4,8 @@ run says about device kernels and the device's idle gaps."""
 
 from __future__ import annotations
 
+import bisect
+import collections
 import functools
 import statistics
 import time
@@ -154,3 +156,117 @@ def device_gaps(prof) -> dict[str, tuple[float, int]]:
         if busy_until is None or end >= busy_until:
             busy_until, previous = end, name
     return gaps
+
+
+def profiler(device: torch.device | str):
+    """An unstarted torch.profiler run with profiled's activities (CPU, and CUDA's on a CUDA device),
+    for a caller that starts and stops it itself, e.g. after a prefix of a run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else []))
+
+
+def on_device(event) -> bool:
+    """Whether a profiler event (or average) ran on a CUDA device."""
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def without_annotations(prof):
+    """A finished profiler run (events(), key_averages()) without the device-side copies of its
+    record_function ranges: on CUDA every range also comes back as a device event (kineto's
+    gpu_user_annotation) spanning the kernels it launched, which device_gaps and device_kernels
+    would take for a device operation (hiding the idle time inside the range)."""
+    from types import SimpleNamespace
+
+    from torch.autograd.profiler_util import EventList
+
+    def kept(events):
+        return EventList([e for e in events if not (on_device(e) and getattr(e, "is_user_annotation", False))])
+
+    events = kept(prof.events())
+    return SimpleNamespace(events=lambda: events, key_averages=lambda: kept(prof.key_averages()))
+
+
+# Kernel groups by name (case-insensitive substrings, first match wins; a heuristic): attention
+# (FlashInfer's Batch*/MergeStates, cuDNN/PyTorch SDPA and flash kernels, the bundled Triton
+# attention kernels), then GEMM (cuBLAS/cuBLASLt incl. Hopper's nvjet, CUTLASS, inductor's mm templates, the
+# fp8 Triton GEMMs).
+KERNEL_GROUPS = (
+    ("attention", ("attention", "attn", "sdpa", "fmha", "flash_fwd", "flash::", "batchdecode", "batchprefill",
+                   "mergestates", "_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_verify_split_kernel")),
+    ("gemm", ("gemm", "nvjet", "cublas", "cutlass", "xmma", "matmul", "splitkreduce", "fused_mm", "_channel_kernel", "_block_kernel",
+              "sm90_", "sm80_", "ampere_", "s16816")),
+)
+
+
+@functools.cache
+def kernel_group(name: str) -> str:
+    """"attention", "gemm" or "other" for a device operation's name (KERNEL_GROUPS; copies are "other")."""
+    lowered = name.lower()
+    return next((group for group, marks in KERNEL_GROUPS if any(m in lowered for m in marks)), "other")
+
+
+def host_ranges(prof, name: str) -> list[tuple[float, float]]:
+    """(start, end) microseconds of the host events called `name` (e.g. a record_function range), by start."""
+    return sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == name and not on_device(e))
+
+
+def merged(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals as disjoint intervals, by start."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def covered(windows: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> list[float]:
+    """For each of the disjoint (start, end) windows, by start, how much of it the disjoint intervals
+    (merged) cover, in their unit."""
+    out, first = [], 0
+    for start, end in windows:
+        while first < len(intervals) and intervals[first][1] <= start:
+            first += 1
+        i, total = first, 0.0
+        while i < len(intervals) and intervals[i][0] < end:
+            total += min(end, intervals[i][1]) - max(start, intervals[i][0])
+            i += 1
+        out.append(total)
+    return out
+
+
+def window_index(windows: list[tuple[float, float]], t: float | None) -> int | None:
+    """The index of the disjoint (start, end) window, by start, that holds time t; None outside all."""
+    if t is None:
+        return None
+    i = bisect.bisect_right(windows, (t, float("inf"))) - 1
+    return i if i >= 0 and t <= windows[i][1] else None
+
+
+def host_time(prof, windows: list[tuple[float, float]], names) -> list[float]:
+    """For each window, the microseconds of the host events called one of `names` that start in it."""
+    names, out = set(names), [0.0] * len(windows)
+    for e in prof.events():
+        if e.name in names and not on_device(e):
+            i = window_index(windows, e.time_range.start)
+            if i is not None:
+                out[i] += e.time_range.elapsed_us()
+    return out
+
+
+def launched(prof, windows: list[tuple[float, float]]) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Microseconds of device operations by kernel_group, per window that launched them: a device
+    operation belongs to the window holding the start of the host event it is linked to (the op or
+    record_function range innermost around its launch, through the profiler's correlation ids;
+    a CUDA graph's kernels link to the range around the replay); those linked to no window: the second value."""
+    events = prof.events()
+    starts = {e.id: e.time_range.start for e in events if not on_device(e) and not e.linked_correlation_id}
+    per: list[dict[str, float]] = [collections.defaultdict(float) for _ in windows]
+    outside: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if on_device(e):
+            i = window_index(windows, starts.get(e.linked_correlation_id) if e.linked_correlation_id else None)
+            (outside if i is None else per[i])[kernel_group(e.key)] += e.time_range.elapsed_us()
+    return [dict(d) for d in per], dict(outside)
