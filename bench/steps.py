@@ -15,7 +15,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from bench import workload
-from bench.timing import device_gaps, device_kernels, events_ms, profiled, timed
+from bench.timing import device_gaps, device_kernels, events_ms, profiled, timed, without_annotations
 
 T = TypeVar("T")
 REQUEST = "bench.request"  # the profiler range of profile_request's request
@@ -127,6 +127,7 @@ def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=No
     runs = []
     for n in (1, 1 + steps):
         prof, wall = profiled(lambda n=n: _generate(engine, prompts, n, lora), engine.runner.device)
+        prof = without_annotations(prof)  # record_function ranges are not device work
         kernels = {name: (ms, count) for name, ms, count in device_kernels(prof)}
         runs.append((wall, kernels, device_gaps(prof)))
     (short_wall, short, short_gaps), (long_wall, long, long_gaps) = runs
@@ -161,6 +162,9 @@ def request_split(prof, top: int = 8) -> dict:
     each (name, ms, count)."""
     host = _request_host(prof)
     start, end = host.pop(REQUEST)
+    # NOTE: on CUDA the REQUEST range comes back as a device event too (spanning the request's
+    # kernels), dropped here: it would count as device work and hide the idle time.
+    prof = without_annotations(prof)
     device = sorted((e.time_range.start, e.time_range.end, e.key) for e in prof.events() if _on_device(e))
     first, last = (device[0][0], max(e for _, e, _ in device)) if device else (end, end)
     busy, calls = _busy_us(device), collections.Counter(e.name for e in host["events"])

@@ -207,3 +207,18 @@ def test_a_failed_profile_leaves_the_timed_row_and_no_profiler_running(monkeypat
     assert row["profile"] == {"error": "RuntimeError: the device went away"} and row["tok_s"] > 0
     assert not torch.autograd._profiler_enabled()
     assert "profiled fixed torch_native (cache on, extend graph on): failed: RuntimeError" in capsys.readouterr().out
+
+
+def test_a_profiled_requests_own_range_is_not_device_work():
+    """bench.steps.request_split (bench.ttft --profile): on CUDA the request's record_function range
+    comes back as a device event spanning its kernels; counted, it would fill the gap between them."""
+    from bench import steps
+
+    events = [event(1, steps.REQUEST, 0, 1000), event(2, "aten::mm", 100, 150),
+              event(3, steps.REQUEST, 200, 900, device=True, annotation=True),
+              event(4, "gemm_kernel", 200, 300, device=True), event(5, "attention_kernel", 700, 900, device=True)]
+    split = steps.request_split(fake_profile(events))
+    assert split["device_busy_ms"] == pytest.approx(0.3)  # the two kernels, 100 + 200 us
+    assert split["device_idle_ms"] == pytest.approx(0.4)  # 300..700
+    assert split["lead_ms"] == pytest.approx(0.2) and split["tail_ms"] == pytest.approx(0.1)
+    assert steps.REQUEST not in dict((name, ms) for name, ms, _ in split["top_kernels"])
