@@ -24,8 +24,9 @@ class HostBatch:
 
     input_ids, positions, out_cache_loc: [num_tokens] int64; req_pool_indices: [batch_size] int64.
     input_ids are the ids as built: a token still in flight under overlap scheduling is its
-    negative placeholder (the device copy is resolved, this one is not). prefix_parts: EXTEND
-    only, (slot tensors, prefix length) of each request with a cached prefix, from the host record
+    negative placeholder (the device copy is resolved, this one is not). prefix_parts: a
+    prefill's only (EXTEND, or the DECODE batch of one-token prefills), (slot tensors, prefix
+    length) of each request with a cached prefix, from the host record
     `req.slots`; `prefix_slots` joins them only when asked (tensor parallelism), so a single-device
     prefill pays nothing for it. Reading these never waits for the device, which is why tensor
     parallelism sends them (backplane.distributed.batch_sync), and why the graph runner pads a

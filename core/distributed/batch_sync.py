@@ -58,8 +58,9 @@ class BatchMessage:
     return_logprob: bool = False
     plugin_inputs: dict[str, Any] = field(default_factory=dict)
     use_graph: bool = True
-    # EXTEND: req_to_token[row, :prefix_len] of every request, request after request [sum prefix] int64;
-    # a prefix from the radix cache was never part of a batch on the workers.
+    # A prefill (EXTEND, or DECODE for one-token prefills): req_to_token[row, :prefix_len] of every
+    # request, request after request [sum prefix] int64; a prefix from the radix cache was never part
+    # of a batch on the workers. Prefix lengths: extend_prefix_lens_cpu, or seq_lens - 1 in DECODE.
     prefix_slots: torch.Tensor | None = None
     ids_follow: bool = False
 
@@ -84,7 +85,7 @@ def pack_batch(batch: ForwardBatch, use_graph: bool = True) -> BatchMessage:
         positions=_own(host.positions), out_cache_loc=_own(host.out_cache_loc),
         req_pool_indices=_own(host.req_pool_indices), seq_lens_cpu=_own(batch.seq_lens_cpu.to(torch.int32)),
         optional=_optional(batch), return_logprob=batch.return_logprob, plugin_inputs=dict(batch.plugin_inputs),
-        prefix_slots=host.prefix_slots if batch.forward_mode == ForwardMode.EXTEND else None, use_graph=use_graph,
+        prefix_slots=host.prefix_slots, use_graph=use_graph,
         ids_follow=host.has_placeholders,
     )
 
@@ -139,8 +140,8 @@ def mirror_req_to_token(msg: BatchMessage, req_to_token: torch.Tensor) -> None:
     """
     rows = torch.repeat_interleave(msg.req_pool_indices, new_token_counts(msg))  # [num_tokens]
     device = req_to_token.device
-    if msg.prefix_slots is not None:
-        prefix = msg.optional["extend_prefix_lens_cpu"].to(torch.int64)
+    if msg.prefix_slots is not None:  # a prefill's cached prefixes (DECODE: a prefill of one token each)
+        prefix = msg.optional.get("extend_prefix_lens_cpu", msg.seq_lens_cpu - 1).to(torch.int64)
         prefix_rows = torch.repeat_interleave(msg.req_pool_indices, prefix)
         cols = torch.cat([torch.arange(n) for n in prefix.tolist()])
         req_to_token[_dev(prefix_rows, device), _dev(cols, device)] = _dev(msg.prefix_slots, device, torch.int32)

@@ -51,6 +51,8 @@ class BatchLauncher:
         the DECODE batch it equals when `prefill_runs_as_decode`; the caller's bookkeeping is the same."""
         if self.prefill_runs_as_decode(reqs, chunks):
             batch = build_decode_batch(reqs, self.kv_pool, self.req_pool)
+            # what an EXTEND batch would carry: tensor parallelism sends the cached prefixes' slots
+            batch.host.prefix_parts = [(req.slots, req.num_cached) for req in reqs if req.num_cached]
         else:
             batch = build_extend_batch(reqs, chunks, self.kv_pool, self.req_pool)
         batch = self._prepare(batch, reqs)
@@ -66,24 +68,18 @@ class BatchLauncher:
         When every request computes exactly one new token, its one query (position num_cached)
         attends to all of the request's cached tokens and its K/V goes to its new slot: that is a
         decode step, so it takes the decode graph of its batch size (split-KV decode kernels)
-        instead of an extend graph's token bucket, for the same logits. It stays EXTEND where the
-        decode form would not be the same forward:
-        - tensor parallelism: a worker learns a request's cached prefix slots from an EXTEND
-          message only (backplane.distributed.batch_sync sends `prefix_slots` with EXTEND batches);
-        - a speculative algorithm that reads the prefill (`_plain_prefill`): EAGLE keeps the
-          target's hidden states of every prefilled token for its draft.
+        instead of an extend graph's token bucket, for the same logits (under tensor parallelism
+        the batch carries its cached prefixes' slots, as an EXTEND one does, for the workers' rows).
+        It stays EXTEND where the decode form would not be the same forward: a speculative
+        algorithm that reads the prefill (`_plain_prefill`; EAGLE keeps the target's hidden states
+        of every prefilled token for its draft).
         The scheduler never sets a custom mask or logits rows on a prefill, has no prompt
         logprobs and no embedding inputs, and LoRA describes a decode batch as it does an extend
         one (a one-token segment per request), so none of these keeps EXTEND.
         """
         if any(n != 1 for n in chunks):
             return False
-        return not self.tensor_parallel and (self.spec_worker is None or _plain_prefill(self.spec_worker))
-
-    @property
-    def tensor_parallel(self) -> bool:
-        """Whether the runner's forwards go to other tensor-parallel ranks too."""
-        return getattr(getattr(self.runner, "parallel", None), "tp_size", 1) > 1
+        return self.spec_worker is None or _plain_prefill(self.spec_worker)
 
     def sample_prefilled(self, reqs: list[Req], logits: torch.Tensor) -> LaunchedStep | None:
         """Sample the requests whose whole prompt (and output so far) is now cached; None if none is."""

@@ -55,7 +55,10 @@ def check_message(msg: BatchMessage, batch: ForwardBatch) -> None:
     for t in (msg.input_ids, msg.positions, msg.out_cache_loc, msg.req_pool_indices):
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), "a view pickles its whole base"
     prefix = batch.extend_prefix_lens_cpu
-    if batch.forward_mode == ForwardMode.EXTEND and prefix is not None and int(prefix.sum()):
+    if batch.forward_mode == ForwardMode.DECODE and msg.prefix_slots is not None:
+        prefix = batch.seq_lens_cpu - 1  # a prefill of one token each, run as DECODE: its cached prefixes
+        assert int(prefix.sum()) and not msg.ids_follow  # (never a decode step's: those carry none)
+    if prefix is not None and int(prefix.sum()):
         r2t = batch.req_to_token_pool.req_to_token
         rows = batch.req_pool_indices.tolist()
         expected = torch.cat([r2t[row, :n].long() for row, n in zip(rows, prefix.tolist())])

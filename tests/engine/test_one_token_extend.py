@@ -256,10 +256,10 @@ def test_an_algorithm_that_reads_the_prefill_keeps_extend():
     assert not engine_launcher(spec_worker=object()).prefill_runs_as_decode(reqs, ones)  # not a SpecWorker
 
 
-def test_tensor_parallelism_keeps_extend():
+def test_tensor_parallelism_converts_too():
     reqs = [Req(0, [1, 2], greedy(1))]
     assert engine_launcher(tp_size=1).prefill_runs_as_decode(reqs, [1])
-    assert not engine_launcher(tp_size=2).prefill_runs_as_decode(reqs, [1])
+    assert engine_launcher(tp_size=2).prefill_runs_as_decode(reqs, [1])
 
 
 # -- the decode graph replays it ---------------------------------------------------------------------
@@ -288,10 +288,11 @@ def test_a_cached_prompt_replays_the_decode_graph(small_model):
     assert_same(got, eager)
 
 
-def test_a_tensor_parallel_engine_keeps_extend_and_equals_tp1():
-    """At tp 2 a cached prompt's one-token prefill stays EXTEND: its message carries the cached
-    prefix's slots, which a worker's row lacks. PROMPTS[0] comes back in the row PROMPTS[2] had
-    (the worker's row still holds PROMPTS[2]'s slots), where a DECODE message gave other tokens."""
+def test_a_tensor_parallel_engine_converts_and_equals_tp1():
+    """At tp 2 a cached prompt's one-token prefill runs as DECODE too, its message carrying the
+    cached prefix's slots, which a worker's row lacks: PROMPTS[0] comes back in the row PROMPTS[2]
+    had (the worker's row still holds PROMPTS[2]'s slots), where a DECODE message without them gave
+    other tokens."""
     settings = dict(model="tiny-llama", device="cpu", dtype="float32", max_total_tokens=400, seed=7)
     rounds = [PROMPTS, [PROMPTS[2]], [PROMPTS[0]]]
 
@@ -310,6 +311,6 @@ def test_a_tensor_parallel_engine_keeps_extend_and_equals_tp1():
 
     want, tp1_calls, _ = serve(Engine(**settings))
     got, tp2_calls, rows = serve(Engine(**settings, tp_size=2))
-    assert tp1_calls == [(DECODE, 1, 1)] * 2 and tp2_calls == [(EXTEND, 1, 1)] * 2
+    assert tp1_calls == [(DECODE, 1, 1)] * 2 and tp2_calls == [(DECODE, 1, 1)] * 2
     assert rows[1] == rows[2]  # PROMPTS[0] reuses PROMPTS[2]'s row
     assert_same(got, want, atol=1e-4)
