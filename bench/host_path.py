@@ -50,6 +50,7 @@ from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backplane import Engine
 from backplane.contracts.batch import ForwardMode
@@ -83,6 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also a decode step's host ms at batch size BS on a full KV pool (every step evicts)")
     p.add_argument("--pressure-prompt", type=int, default=64, help="prompt tokens of --pressure's requests")
     p.add_argument("--pressure-steps", type=int, default=32, help="decode steps of --pressure's requests")
+    p.add_argument("--real-model", action="store_true",
+                   help="keep the model and its graphs (no stub): on a GPU each phase is then the host's time "
+                        "around the real forward, and the waits for the device land in 'read tokens'")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--device-ops", action="store_true",
+                   help="list every operation on a device tensor outside a graph replay, and every "
+                        "host-to-device copy from pageable memory, by call site (per request)")
     ns = p.parse_args(argv)
     ns.scenarios = [ttft.Scenario("fresh", 0, n) for n in ns.fresh] + [ttft.Scenario("repeat", n - 1, 1)
                                                                         for n in ns.repeat]
@@ -262,14 +270,31 @@ def phase_targets(engine: Engine) -> list[tuple[object, str, str]]:
     from backplane.scheduler.overlap import LaunchedStep
 
     sched, launcher, cache = engine.scheduler, engine.scheduler.launcher, engine.scheduler.prefix_cache
+    stubbed = "forward" in vars(engine.runner.model)  # stub_model's instance attribute
     return [(engine, "_make_requests", "requests"), (sched, "add", "queue"),
             (scheduler_module, "admit_prefill", "admission"), (cache, "match", "radix match"),
             (launcher_module, "build_extend_batch", "build batch"), (launcher_module, "build_decode_batch", "build batch"),
             (launcher.decode_state, "build", "build batch"),
-            (engine.runner, "forward", "runner forward (stub model)"), (launcher.sampling, "get", "sampling setup"),
+            (engine.runner, "forward", "runner forward" + (" (stub model)" if stubbed else "")),
+            (launcher.sampling, "get", "sampling setup"),
             (launcher_module, "sample", "sample"), (launcher, "_launch", "launch tokens' copy"),
             (cache, "cache_prefilled", "radix insert"), (LaunchedStep, "new_tokens", "read tokens"),
-            (sched, "_advance", "finish"), (cache, "release", "radix release"), (engine, "_output", "output")]
+            (sched, "_advance", "finish"), (cache, "release", "radix release"), (engine, "_output", "output")
+            ] + replay_targets(engine)
+
+
+def replay_targets(engine: Engine) -> list[tuple[object, str, str]]:
+    """The graph runner's parts of a replay (on an engine with graphs): the padded inputs' copy, the
+    contributors' and the attention backend's replay metadata, and the graph launch itself."""
+    import backplane.executor.graph_runner as graph_module
+
+    graphs = engine.runner.graph_runner
+    if graphs is None:
+        return []
+    return [(graph_module, "pad_into", "replay inputs (pad_into)"),
+            (graphs, "prepare_contributors", "replay contributors"),
+            (graphs.backend, "init_metadata_for_replay", "replay attention metadata"),
+            (torch.cuda.CUDAGraph, "replay", "graph launch")]
 
 
 def phase_split(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, float, float]]:
@@ -384,6 +409,62 @@ def host_reads(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str
     return sorted(((name, dev, site, k / n) for (name, dev, site), k in reads.sites.items()), key=lambda r: r[2])
 
 
+# -- device operations outside graph replays --------------------------------------------------------
+
+class DeviceOps(TorchDispatchMode):
+    """Counts every aten operation that touches a tensor on a non-CPU device (a kernel launch, a copy or
+    an allocation on the device: host time per operation, and a gap in the device's timeline while
+    the host makes the next one) and every copy from pageable host memory onto the device, by the
+    project's call site. A graph replay is one launch, invisible to the dispatcher; meta-data only
+    operations (views) are counted too, marked as such, since each costs host time."""
+
+    VIEWS = frozenset({"view", "slice", "select", "as_strided", "unsqueeze", "squeeze", "expand", "t",
+                       "transpose", "permute", "alias", "detach", "_unsafe_view", "reshape", "narrow"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        tensors += [o for o in outs if isinstance(o, torch.Tensor)]
+        on_device = any(t.device.type not in ("cpu", "meta") for t in tensors)
+        if on_device:
+            name = func.overloadpacket.__name__
+            pageable = name in ("copy_", "_to_copy") and any(
+                t.device.type == "cpu" and not t.is_pinned() for t in tensors)
+            label = name + (" (pageable h2d)" if pageable else " (view)" if name in self.VIEWS else "")
+            self.sites[(label, _call_site_any())] += 1
+        return out
+
+
+def _call_site_any() -> str:
+    """`_call_site` from any depth: the innermost frame of the project's code."""
+    dirs, frame = _project_dirs(), sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        top = next((d for d in dirs if file.startswith(d)), None)
+        if top is not None:
+            parent = str(Path(top).parent)
+            return f"{file[len(parent) + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "?"
+
+
+def device_ops(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str, float]]:
+    """(operation, call site, per request) of n requests of `sc`, in call-site order."""
+    ops = DeviceOps()
+    for i in range(n):
+        request, prepare = one_request(engine, sc, seed=9500 + i)
+        prepare()
+        with ops:
+            request()
+    return sorted(((op, site, k / n) for (op, site), k in ops.sites.items()), key=lambda r: r[1])
+
+
 # -- report -----------------------------------------------------------------------------------------
 
 def explain(engine: Engine, ns: argparse.Namespace) -> None:
@@ -398,6 +479,11 @@ def explain(engine: Engine, ns: argparse.Namespace) -> None:
               + ", ".join(f"{k} {us:.1f}" + (f" x{c:g}" if c != 1 else "") for k, us, c in row["phases"]))
         print(f"{sc.name} host reads of tensors and syncs per request: "
               + ("; ".join(f"{name} ({dev}) {site} x{k:g}" for name, dev, site, k in row["host_reads"]) or "none"))
+        if ns.device_ops:
+            row["device_ops"] = device_ops(engine, sc, 3)
+            print(f"{sc.name} device operations outside graph replays per request (op, call site, count):")
+            for op, site, k in row["device_ops"]:
+                print(f"  x{k:<5g} {op:34s} {site}")
         if ns.profile:
             row["top_python"] = profile_top(engine, sc, n, ns.profile)
             print(f"{sc.name} cProfile top {ns.profile} (us per request, own time):")
@@ -408,9 +494,10 @@ def explain(engine: Engine, ns: argparse.Namespace) -> None:
 def measure_scenarios(ns: argparse.Namespace) -> None:
     """ns.rows: the scenarios' rows, explained (explain)."""
     longest = max(sc.prefix + max(sc.new, 1 + ns.decode_steps) for sc in ns.scenarios)
-    engine = Engine(ns.model, device=ns.device, max_running_requests=16, max_total_tokens=4 * longest + 1024)
+    engine = Engine(ns.model, device=ns.device, max_running_requests=16, max_total_tokens=4 * longest + 1024,
+                    attention_backend=ns.attention_backend)
     try:
-        with stub_model(engine):
+        with contextlib.nullcontext() if ns.real_model else stub_model(engine):
             ns.rows = measure(engine, ns)
             explain(engine, ns)
     finally:
