@@ -80,6 +80,8 @@ class Scheduler:
         self.current: list[Req] = []  # the batch being run, rolled back if its forward fails
         self.pending: LaunchedStep | None = None  # launched, tokens not read yet (overlap only)
         self._flushed: list[Req] = []  # finished while reading `pending` early, for a preemption
+        # Requests finished ahead of their last token's read (`_finish_ahead`): rid -> request.
+        self._ahead: dict[int, Req] = {}
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -104,8 +106,9 @@ class Scheduler:
         self.queues.abort(req, message)
 
     def abort_all(self, message: str) -> list[Req]:
-        """Abort every queued and running request (after an unrecoverable forward error)."""
-        return self.queues.abort_all(message)
+        """Abort every queued and running request (after an unrecoverable forward error), and those
+        finished ahead of a token that will not be read."""
+        return self._abort_ahead(message) + self.queues.abort_all(message)
 
     @property
     def kv_usage(self) -> tuple[int, int]:
@@ -137,6 +140,8 @@ class Scheduler:
         with it, the step launched here runs on the device while the host reads the one before.
         """
         launched = self.launch_step()
+        if launched is not None:
+            self._finish_ahead(launched.reqs)
         to_read = launched
         if self.overlap:
             to_read, self.pending = self.pending, launched
@@ -189,6 +194,27 @@ class Scheduler:
         alone = [r for r in ready if r.rid in self.isolated]
         return alone[:1] or ready
 
+    def _finish_ahead(self, reqs: list[Req]) -> None:
+        """Hand the KV and row of each request whose token in flight is certainly its last back now,
+        while the device computes that token, instead of after it is read.
+
+        A request qualifies when the token reaches max_new_tokens whatever its value (it stops there,
+        on that token or earlier one way or another) and every token before it is on the host (its
+        KV is all in this step or earlier ones): it needs nothing more from the pool, and what the
+        prefix cache keeps of it (its KV-bearing tokens) is already known. The slots and the row go
+        back while this step still writes them; whatever later uses them runs after it on the
+        device's stream, as any release under overlap. Under speculation a step's tokens are read
+        at launch (nothing to hide) and may leave KV past a stop token: never there.
+        For a one-token request (a prompt's score, a classification) the first token is then read
+        with nothing left to do but the output.
+        """
+        if self.spec_worker is not None:
+            return
+        for req in reqs:
+            if req.row is not None and not req.finished and req.next_token_is_last and req.num_tokens == req.num_cached:
+                self.queues.finish(req)
+                self._ahead[req.rid] = req
+
     # -- reading a launched step ----------------------------------------------------------------
 
     def finish_step(self, step: LaunchedStep | None) -> list[Req]:
@@ -198,18 +224,22 @@ class Scheduler:
     def _advance(self, reqs: list[Req], new: list[tuple[list[int], list[float]]]) -> list[Req]:
         """Append each request's new tokens (one, or several accepted drafts) until it stops.
 
-        A request that stopped (or was aborted) after this step was launched keeps none of them.
+        A request that stopped (or was aborted) after this step was launched keeps none of them. A
+        request finished ahead (`_finish_ahead`) has no row any more: it takes its token and stops
+        (its token is its last).
         """
         finished = []
         now = time.perf_counter()
         for req, (tokens, logprobs) in zip(reqs, new):
-            if req.finished or req.row is None:
+            ahead = self._ahead.pop(req.rid, None) is not None
+            if req.finished or (req.row is None and not ahead):
                 continue
             if req.first_token_at is None and tokens:
                 req.first_token_at = now
-            if append_tokens(req, tokens, logprobs, self.eos_token_ids, self.detokenize):
+            if append_tokens(req, tokens, logprobs, self.eos_token_ids, self.detokenize) or ahead:
                 req.finished_at = now
-                self.queues.finish(req)
+                if not ahead:
+                    self.queues.finish(req)
                 finished.append(req)
         return finished
 
@@ -228,7 +258,16 @@ class Scheduler:
                 return self.abort_all(message)
         kept, self._flushed = self._flushed, []
         batch, self.current = self.current, []
-        return kept + self.queues.roll_back(batch, message)
+        return kept + self._abort_ahead(message) + self.queues.roll_back(batch, message)
+
+    def _abort_ahead(self, message: str) -> list[Req]:
+        """The requests finished ahead whose last token will never be read (its step failed), aborted
+        (their KV and row went back already)."""
+        lost = [req for req in self._ahead.values() if not req.finished]
+        self._ahead.clear()
+        for req in lost:
+            req.abort(message)
+        return lost
 
 
 def _config(config: SchedulerConfig | int | None, legacy: dict[str, Any]) -> SchedulerConfig:
