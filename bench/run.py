@@ -93,11 +93,15 @@ GROUPS: dict[str, list[Job]] = {
     "prefill-8b": [bench("prefill-8b", "prefill --models llama-3.1-8b")],
     "ttft": [bench("ttft-1b", "ttft --models llama-3.2-1b --profile fresh-512 repeat-512"),
              bench("ttft-8b", "ttft --models llama-3.1-8b --fresh 512 --prefix 0 0 --repeats 5")],  # issue 38 asks 8B for the cached prompt: ran out of 229 s in full
+    "ttft-1b": [bench("ttft-1b", "ttft --models llama-3.2-1b")],
     "ttft-8b": [bench("ttft-8b", "ttft --models llama-3.1-8b --fresh 512 --prefix 0 0 --repeats 5")],
     # where a request's host time goes on the GPU (the real model and its graphs, each device op by call site)
     "host-gpu": [bench(f"host-1b-{b}", f"host_path --device cuda --model llama-3.2-1b --real-model --device-ops "
                        f"--attention-backend {b} --fresh 128 512 --repeat 512 --decode-context 512 --rounds 3 "
                        "--requests 20 --profile 30") for b in ("triton", "flashinfer")],
+    "host-gpu-triton": [bench("host-1b-triton", "host_path --device cuda --model llama-3.2-1b --real-model --device-ops "
+                              "--attention-backend triton --fresh 128 512 --repeat 512 --decode-context 512 --rounds 3 "
+                              "--requests 20")],
     "e2e-1b": [bench("e2e-1b", "e2e --model llama-3.2-1b --repeats 3 --profile sharegpt-like")],
     "e2e-8b": [bench("e2e-8b", "e2e --model llama-3.1-8b")],
     "e2e-extend-graph": [bench("e2e-extend-graph-1b", "e2e --model llama-3.2-1b --workloads sharegpt-like "
