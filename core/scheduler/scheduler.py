@@ -6,6 +6,8 @@ and the KV room left (admission.py; long prompts go in chunks of --chunked-prefi
 longest cached prefix). Else decode: when KV slots run out, unreferenced prefix-cache entries are
 evicted (least recently used first), then the newest running request is preempted (queues.py) and
 later recomputed. A request that can never fit is aborted at once; a failed forward is rolled back.
+A request whose token in flight is certainly its last (max_new_tokens) gives its KV back while the
+device computes that token (`_finish_ahead`), so reading it is the last thing its request waits for.
 """
 
 from __future__ import annotations
