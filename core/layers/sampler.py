@@ -1,15 +1,19 @@
 """Sampling the next token of each request from its logits row.
 
-Greedy rows take the argmax. Other rows: logits / temperature, then top-k, top-p and min-p
-filters, then a draw. Seeded rows draw from their own generator, so a request's tokens do not
+Greedy rows take the argmax; a batch of greedy rows only runs the `greedy_sample` custom op chosen
+for the device (one kernel under the Triton ops). Other rows: logits / temperature, then top-k,
+top-p and min-p filters, then a draw. Seeded rows draw from their own generator, so a request's tokens do not
 depend on what else is in the batch; unseeded rows share one generator in one batched draw.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from backplane.ops import native
 
 
 @dataclass
@@ -41,13 +45,19 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator | None = None
+def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator | None = None,
+           greedy_sample: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = native.greedy_sample,
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [bs, vocab] fp32 -> (token ids [bs] int64, their log-probabilities [bs] under the model)."""
+    """logits [bs, vocab] fp32 -> (token ids [bs] int64, their log-probabilities [bs] under the model).
+
+    greedy_sample: the `greedy_sample` op (signature of backplane.ops.native.greedy_sample) that an
+    all-greedy batch runs alone; its results may be views of one buffer (LaunchedStep.launch then
+    copies them to the host at once).
+    """
+    if batch.all_greedy:
+        return greedy_sample(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1)
-    if batch.all_greedy:
-        return greedy, logprobs.gather(1, greedy.unsqueeze(1)).squeeze(1)
     probs = filtered_probs(logits, batch)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
     noise = torch.empty_like(probs).exponential_(generator=shared)

@@ -42,6 +42,7 @@ class CustomOps:
     quick_gelu: Callable
     rotary_embedding: Callable
     rotary_kv_write: Callable
+    greedy_sample: Callable
     chosen: dict[str, str] = field(default_factory=dict)
     compile_safe: frozenset[str] = frozenset(OP_NAMES)
 

@@ -120,6 +120,19 @@ def rotary_kv_write(
     return q_rot, k_rot
 
 
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy token of each row and its log-probability: (tokens [bs] int64, logprobs [bs]).
+
+    logits: [bs, vocab] fp32. tokens[i] is torch.argmax of row i (the first maximal index; a NaN
+    counts as maximal); logprobs[i] is log_softmax(row i)[tokens[i]], in the logits' dtype. A faster
+    implementation may return both as views of one buffer: tokens first, logprobs from the first
+    16-byte boundary after them (LaunchedStep.launch then copies them to the host at once).
+    """
+    tokens = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logprobs
+
+
 NATIVE_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -129,4 +142,5 @@ NATIVE_OPS: dict[str, Callable] = {
     "quick_gelu": quick_gelu,
     "rotary_embedding": rotary_embedding,
     "rotary_kv_write": rotary_kv_write,
+    "greedy_sample": greedy_sample,
 }

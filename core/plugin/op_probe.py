@@ -14,7 +14,7 @@ import torch
 
 from backplane.plugin.failures import def_location, failure_location, one_line, with_location
 
-TOKENS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, SLOTS = 3, 2, 1, 64, 64, 8
+TOKENS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, SLOTS, VOCAB = 3, 2, 1, 64, 64, 8, 1000
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 
 
@@ -37,6 +37,7 @@ def probe_inputs(op: str, device: torch.device, dtype: torch.dtype) -> tuple:
         "rotary_kv_write": lambda: (positions, q, k, v, cos_sin, True, torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, device=device,
                                     dtype=dtype), torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, device=device, dtype=dtype),
                                     torch.tensor([1, 4, 6], device=device)),
+        "greedy_sample": lambda: (rand(TOKENS, VOCAB, kind=torch.float32),),  # the sampler's logits are fp32
     }[op]()
 
 

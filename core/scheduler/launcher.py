@@ -15,6 +15,7 @@ import torch
 from backplane.contracts.batch import ForwardBatch
 from backplane.contracts.protocols import SchedulerParticipant
 from backplane.layers.sampler import sample
+from backplane.ops import native
 from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
 from backplane.scheduler.decode_state import DecodeState
 from backplane.scheduler.overlap import FutureTokens, LaunchedStep
@@ -44,6 +45,13 @@ class BatchLauncher:
         self.sampling = SamplingCache()
         # Plain decode batches: advanced in place while the same requests decode step after step.
         self.decode_state = DecodeState(self.kv_pool, self.req_pool, future)
+
+    @property
+    def greedy_sample(self):
+        """What an all-greedy batch samples with: the `greedy_sample` op chosen for the runner's device
+        (its model_ctx's op table), or the native op for a runner without one (a stand-in that only forwards)."""
+        ctx = getattr(self.runner, "model_ctx", None)
+        return native.greedy_sample if ctx is None else ctx.default_ops.greedy_sample
 
     def forward_prefill(self, reqs: list[Req], chunks: list[int]) -> torch.Tensor:
         """Prefill the next `chunks[i]` tokens of each request (advancing its num_cached); the
@@ -90,7 +98,7 @@ class BatchLauncher:
         if len(done) < len(reqs):
             rows = torch.tensor([i for i, c in enumerate(completes) if c]).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, rows)
-        tokens, logprobs = sample(logits, self.sampling.get(done, logits.device), self.generator)
+        tokens, logprobs = sample(logits, self.sampling.get(done, logits.device), self.generator, self.greedy_sample)
         # NOTE: the requests' earlier tokens are all read (none is in flight before a prefill), so
         # next_token_is_last is exact here: when it holds for all, no later step reads these tokens.
         return self._launch(done, tokens, logprobs, read_later=not all(r.next_token_is_last for r in done))
@@ -103,7 +111,7 @@ class BatchLauncher:
         for req in reqs:
             req.num_cached += 1
         logits = self.runner.forward(batch).logits
-        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.generator)
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.generator, self.greedy_sample)
         self.decode_state.commit(reqs, tokens)
         return self._launch(reqs, tokens, logprobs)
 
@@ -123,7 +131,7 @@ class BatchLauncher:
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Next token and its log-probability for each request, from logits [len(reqs), vocab]."""
-        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.generator)
+        tokens, logprobs = sample(logits, self.sampling.get(reqs, logits.device), self.generator, self.greedy_sample)
         return tokens.tolist(), logprobs.tolist()
 
     def _prepare(self, batch: ForwardBatch, reqs: list[Req]) -> ForwardBatch:

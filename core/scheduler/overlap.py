@@ -3,7 +3,8 @@
 Sampled tokens stay on the device. A request whose last token is still in flight gets a negative
 placeholder as its next input id (`FutureTokens`); the device resolves it from the future buffer
 just before the forward, so no step waits for the previous one's tokens on the host. Each step
-copies its tokens and their log-probabilities to the host (into one pinned buffer, behind an event),
+copies its tokens and their log-probabilities to the host (into one pinned buffer, behind an event;
+one copy when the sampler returned them packed so in one device buffer),
 which the host reads only after the next step is launched. Stop checks
 therefore lag by one step: a request that stopped at step N may have run in step N+1; that token
 is discarded and its KV slot is freed with the request's others. On CPU the same code runs, each
@@ -85,16 +86,14 @@ class LaunchedStep:
     def launch(cls, reqs: list[Req], tokens: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
         """Start the copy of tokens [len(reqs)] int64 and logprobs [len(reqs)] to the host.
 
-        On CUDA: two non-blocking copies into one pinned buffer, then an event; no kernel (no cast
-        on the device). Elsewhere the tensors are host tensors: read at once.
+        On CUDA: non-blocking copies into one pinned buffer, then an event; no kernel (no cast on
+        the device). One copy when the two are views of one device buffer laid out as the host
+        buffer is (`packed_span`: what the Triton `greedy_sample` returns), else one each.
+        Elsewhere the tensors are host tensors: read at once.
         """
         if tokens.device.type != "cuda":
             return cls.known_tokens(reqs, _one_each(tokens.tolist(), logprobs.tolist()))
-        n, token_bytes = tokens.numel(), tokens.numel() * tokens.element_size()
-        start = -(-token_bytes // 8) * 8  # NOTE: the log-probabilities start 8-byte aligned, for any dtype
-        host = torch.empty(start + n * logprobs.element_size(), dtype=torch.uint8, pin_memory=True)
-        host_tokens = host[:token_bytes].view(tokens.dtype).copy_(tokens, non_blocking=True)
-        host_logprobs = host[start:].view(logprobs.dtype).copy_(logprobs, non_blocking=True)
+        host_tokens, host_logprobs = copy_to_host(tokens, logprobs, pin_memory=True)
         event = torch.cuda.Event()
         event.record()
         return cls(reqs, host_tokens, host_logprobs, event)
@@ -105,6 +104,45 @@ class LaunchedStep:
             return self.known
         self.event.synchronize()
         return _one_each(self.tokens.tolist(), self.logprobs.tolist())
+
+
+def _logprobs_start(tokens: torch.Tensor) -> int:
+    """Byte offset of the log-probabilities after tokens, in the host buffer and in a packed one."""
+    # NOTE: 16-byte aligned, for any dtype (a kernel writing both sees an aligned pointer for every count)
+    return -(-tokens.numel() * tokens.element_size() // 16) * 16
+
+
+def packed_span(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
+    """The bytes from tokens' start to logprobs' end as one uint8 view, when tokens and logprobs are
+    contiguous views of one storage with logprobs at `_logprobs_start` bytes after tokens (the host
+    buffer's layout); else None. No device work: a view of the same storage."""
+    if not (tokens.is_contiguous() and logprobs.is_contiguous()) or tokens.numel() == 0:
+        return None
+    start = _logprobs_start(tokens)
+    if (logprobs.data_ptr() - tokens.data_ptr() != start
+            or tokens.untyped_storage().data_ptr() != logprobs.untyped_storage().data_ptr()):
+        return None
+    return tokens.view(torch.uint8).as_strided((start + logprobs.numel() * logprobs.element_size(),), (1,))
+
+
+def copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor, pin_memory: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-blocking copies of tokens [n] and logprobs [n] into one new host buffer; its two views.
+
+    One copy when `packed_span` finds them packed, else two. The caller waits (an event) before
+    reading them.
+    """
+    start = _logprobs_start(tokens)
+    host = torch.empty(start + logprobs.numel() * logprobs.element_size(), dtype=torch.uint8, pin_memory=pin_memory)
+    host_tokens = host[:tokens.numel() * tokens.element_size()].view(tokens.dtype)
+    host_logprobs = host[start:].view(logprobs.dtype)
+    span = packed_span(tokens, logprobs)
+    if span is not None:
+        host.copy_(span, non_blocking=True)
+    else:
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+    return host_tokens, host_logprobs
 
 
 def _one_each(tokens: list[int], logprobs: list[float]) -> list[tuple[list[int], list[float]]]:

@@ -1,11 +1,14 @@
-"""Custom ops "triton": fused residual-add + RMSNorm, RMSNorm, SiLU-and-mul, rotary, rotary + KV write.
+"""Custom ops "triton": fused residual-add + RMSNorm, RMSNorm, SiLU-and-mul, rotary, rotary + KV write,
+greedy sampling (argmax and its log-probability in one kernel).
 
 This module is the plugin's entry point and registers implementations only; triton is imported
 on the first launch. On CUDA the ops rank at priority 50: above native (0), below FlashInfer's
-ops (100), so where FlashInfer is installed only the ops it lacks (`rotary_kv_write`) come from here.
+ops (100), so where FlashInfer is installed only the ops it lacks (`rotary_kv_write`, `greedy_sample`) come
+from here.
 They rose from -10 (named only) once the GPU tests of the ops (today `python -m bench.run ops`) had
 passed on an H200 (2026-12-04: 169 GPU tests; 2-20x faster than native in a graph, see
-docs/performance.md). On CPU they run only under TRITON_INTERPRET=1 and only when asked for
+docs/performance.md); `greedy_sample` came later at 50 without that GPU run (the startup probe
+still checks it against native on the GPU). On CPU they run only under TRITON_INTERPRET=1 and only when asked for
 (`--custom-ops rms_norm=triton`): their CPU priority is below native's, so nothing picks them by
 itself. Every op is a torch.library op, declared compile-safe: under `--enable-torch-compile` it
 stays one opaque call in the compiled graph instead of being replaced by native.

@@ -15,6 +15,7 @@ import triton.language as tl
 # rms_norm / fused_add_rms_norm hold a whole row in one block.
 MAX_NORM_HIDDEN = 65536
 _ACT_BLOCK = 1024
+GREEDY_BLOCK = 8192  # greedy_sample: a row goes through one program, this many logits per step
 
 
 @triton.jit
@@ -120,6 +121,43 @@ def _rotary_kv_write_kernel(positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_o
         tl.store(v_cache_ptr + slot * kv_row + heads * head_dim + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _greedy_sample_kernel(logits_ptr, tokens_ptr, logprobs_ptr, row_stride, vocab, BLOCK: tl.constexpr):
+    # One program per row, one pass over it. logits: [bs, vocab] fp32 (unit last stride); tokens [bs]
+    # int64, logprobs [bs] fp32. Lane j sees indices j, j + BLOCK, ... in order and keeps the largest
+    # value it saw (first index of it: only a larger value replaces it) and the sum of exp(x - largest).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + cols
+        x = tl.load(logits_ptr + row * row_stride + idx, mask=idx < vocab, other=float("-inf"))
+        # NOTE: a NaN counts as larger than any number, as in torch.argmax
+        take = (x > best) | ((x != x) & (best == best))
+        new_best = tl.where(take, x, best)
+        # NOTE: while a lane has seen only -inf its sum stays 0 (exp(-inf - -inf) would be NaN)
+        seen = new_best != float("-inf")
+        shift = tl.where(seen, new_best, 0.0)
+        total = tl.where(seen, total * tl.exp(best - shift) + tl.exp(x - shift), 0.0)
+        best_idx = tl.where(take, idx, best_idx)
+        best = new_best
+    is_nan = best != best
+    has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
+    top = tl.max(tl.where(is_nan, float("-inf"), best), axis=0)
+    # the first maximal index: the smallest among the lanes holding the row's maximum (or a NaN)
+    holds = tl.where(has_nan, is_nan, best == top)
+    token = tl.min(tl.where(holds, best_idx, vocab), axis=0)
+    all_masked = top == float("-inf")
+    row_sum = tl.sum(tl.where(best == float("-inf"), 0.0, total * tl.exp(best - tl.where(all_masked, 0.0, top))), axis=0)
+    # log_softmax at the argmax is -log(sum of exp(x - top)); NaN for a row of -inf, as torch's (a NaN
+    # lane's sum is NaN already)
+    logprob = tl.where(all_masked, float("nan"), -tl.log(tl.where(all_masked, 1.0, row_sum)))
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, logprob)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x: [..., hidden] -> [rows, hidden] with a unit last stride (a view when possible)."""
     rows = x.reshape(-1, x.shape[-1])
@@ -163,6 +201,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         grid = (rows.shape[0], triton.cdiv(d, _ACT_BLOCK))
         _silu_and_mul_kernel[grid](rows, out, rows.stride(0), d, BLOCK=_ACT_BLOCK)
     return out
+
+
+def greedy_sample(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """Write the argmax of each row of logits [bs, vocab] fp32 (unit last stride) into tokens [bs]
+    int64 and its log-softmax into logprobs [bs] fp32 (the caller's buffers)."""
+    bs, vocab = logits.shape
+    block = min(GREEDY_BLOCK, triton.next_power_of_2(vocab))
+    if bs:
+        _greedy_sample_kernel[(bs,)](logits, tokens, logprobs, logits.stride(0), vocab, BLOCK=block,
+                                     num_warps=max(1, min(16, block // 512)))
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,17 @@ def _rotary_kv_write_fake(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+@torch.library.custom_op("ops_triton::greedy_sample", mutates_args=())
+def greedy_sample_op(logits: torch.Tensor) -> torch.Tensor:
+    # NOTE: a custom op's results may not alias each other: it returns the packed buffer, split outside
+    return _greedy_sample_packed(logits)[0]
+
+
+@greedy_sample_op.register_fake
+def _greedy_sample_fake(logits):
+    return logits.new_empty(_packed_bytes(logits.shape[0]), dtype=torch.uint8)
+
+
 # -- the table's functions (CustomOpImpl.fn) --------------------------------------------------------
 
 
@@ -159,10 +170,49 @@ def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return _kernels().rotary_kv_write(positions, q, k, v, cos_sin_cache, is_neox, k_cache, v_cache, loc)
 
 
+def _logprobs_offset(bs: int) -> int:
+    # NOTE: 16-byte aligned, the layout LaunchedStep.launch copies at once; the kernel's pointer to
+    # them is then aligned for every bs (one Triton specialization)
+    return -(-8 * bs // 16) * 16
+
+
+def _packed_bytes(bs: int) -> int:
+    return _logprobs_offset(bs) + 4 * bs
+
+
+def _unpack(packed: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed uint8 [_packed_bytes(bs)] -> (tokens [bs] int64, logprobs [bs] fp32), views of it."""
+    return packed[:8 * bs].view(torch.int64), packed[_logprobs_offset(bs):].view(torch.float32)
+
+
+def _greedy_sample_packed(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One launch: (packed buffer, tokens, logprobs), the last two views of the first."""
+    packed = torch.empty(_packed_bytes(logits.shape[0]), dtype=torch.uint8, device=logits.device)
+    tokens, logprobs = _unpack(packed, logits.shape[0])
+    _kernels().greedy_sample(logits, tokens, logprobs)
+    return packed, tokens, logprobs
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [bs, vocab] fp32 -> (argmax [bs] int64, its log-softmax [bs] fp32), in one kernel.
+
+    Both are views of one contiguous buffer, tokens first and logprobs from the next 16-byte
+    boundary, so LaunchedStep.launch copies them to the host at once. Ties and NaN as
+    torch.argmax. Other dtypes, an empty vocab or a strided row go to native.
+    """
+    if (not _runs(logits) or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0
+            or logits.stride(-1) != 1):
+        return native.greedy_sample(logits)
+    if torch.compiler.is_compiling():
+        return _unpack(greedy_sample_op(logits), logits.shape[0])
+    return _greedy_sample_packed(logits)[1:]
+
+
 TRITON_OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "silu_and_mul": silu_and_mul,
     "rotary_embedding": rotary_embedding,
     "rotary_kv_write": rotary_kv_write,
+    "greedy_sample": greedy_sample,
 }

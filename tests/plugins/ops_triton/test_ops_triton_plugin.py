@@ -23,7 +23,7 @@ from backplane.plugin.manager import load_plugins  # noqa: E402
 from backplane.plugins.ops_triton import CUDA_PRIORITY  # noqa: E402
 from backplane.plugins.ops_triton import ops as triton_ops  # noqa: E402
 
-TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_kv_write")
+TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_kv_write", "greedy_sample")
 FORCED = [f"{op}=triton" for op in TRITON_OPS]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
 
@@ -122,6 +122,7 @@ def native_tokens(model_dir):
 def test_greedy_with_triton_ops_equals_native(model_dir, native_tokens):
     engine = Engine(model_dir, custom_ops=FORCED, **ENGINE)
     assert {op: engine.backends["custom_ops"][op] for op in TRITON_OPS} == {op: "triton" for op in TRITON_OPS}
+    assert engine.scheduler.launcher.greedy_sample is triton_ops.greedy_sample  # the sampler's op too
     assert _tokens(engine) == native_tokens
 
 
