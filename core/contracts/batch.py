@@ -81,6 +81,9 @@ class ForwardBatch:
       req_pool_indices: [batch_size] int64, the request's row in `req_to_token_pool`
       seq_lens: [batch_size] int32, the total length after this pass (prefix + new tokens)
       extend_prefix_lens / extend_seq_lens: [batch_size] int32, tokens already cached / new now
+      extend_indptr: [batch_size + 1] int32 or None: 0, then the running sum of extend_seq_lens
+        (request b's new tokens are rows extend_indptr[b]:extend_indptr[b + 1]); set where it comes
+        without device work (the graph runner's padded EXTEND batches), else None
     The scheduler writes `req_to_token[req, prefix:prefix+new] = out_cache_loc[...]` before the
     forward, so a backend may read every key of a request through `req_to_token`. Backends write
     the new K/V at `out_cache_loc` themselves.
@@ -110,6 +113,7 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None
     extend_prefix_lens_cpu: torch.Tensor | None = None
     extend_seq_lens_cpu: torch.Tensor | None = None
+    extend_indptr: torch.Tensor | None = None
     custom_mask: torch.Tensor | None = None
     mask_indptr: torch.Tensor | None = None
     spec_info: Any = None

@@ -123,9 +123,10 @@ def rerun_capture(fn: Callable[[], Any], pool: Any = None, warmup: int = 1) -> t
 
 
 # The rows of StaticInputs.block; a replay's host tensor has the same layout (`pad_into`).
-# Rows SEQ, PREFIX and NEW hold int32 values: their first max_bs int32 are the buffers.
-_IDS, _POSITIONS, _SLOTS, _ROWS, _LOGITS, _INDPTR, _SEQ, _PREFIX, _NEW = range(9)
-_NUM_ROWS = 9
+# Rows SEQ, PREFIX and NEW hold int32 values: their first max_bs int32 are the buffers; row
+# EXTEND_INDPTR too: its first max_bs + 1 int32.
+_IDS, _POSITIONS, _SLOTS, _ROWS, _LOGITS, _INDPTR, _SEQ, _PREFIX, _NEW, _EXTEND_INDPTR = range(10)
+_NUM_ROWS = 10
 # A block of at most this many bytes goes over whole at every replay: one contiguous copy. The first
 # columns of a larger one are a strided destination, which a copy reaches through a staging tensor
 # and a device kernel (two device operations).
@@ -138,7 +139,7 @@ class PaddedViews:
     num_tokens tokens), and `dst`: the block's first `width` columns, which their replays overwrite."""
 
     width: int
-    dst: torch.Tensor  # [9, width] int64
+    dst: torch.Tensor  # [10, width] int64
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
@@ -148,19 +149,23 @@ class PaddedViews:
     extend_seq_lens: torch.Tensor
     logits_indices: torch.Tensor
     mask_indptr: torch.Tensor  # [batch_size + 1]
+    extend_indptr: torch.Tensor  # [batch_size + 1] int32
 
 
 class StaticInputs:
     """The buffers captured graphs read: rows of ONE int64 block, so that a replay writes all of
     them with one host-to-device copy (`pad_into`).
 
-    block: [9, width] int64, width = max(max_tokens, max_bs + 1); each buffer is (part of) a row:
+    block: [10, width] int64, width = max(max_tokens, max_bs + 1); each buffer is (part of) a row:
       input_ids, positions, out_cache_loc: [max_tokens] int64 (rows 0-2)
       req_pool_indices: [max_bs] int64 (row 3)
       logits_indices: [max_bs] int64 (row 4), EXTEND: the last new token of each request
       mask_indptr: [max_bs + 1] int64 (row 5), TARGET_VERIFY
       seq_lens, extend_prefix_lens, extend_seq_lens: [max_bs] int32, the first max_bs int32 of rows
         6-8 (extend lengths: TARGET_VERIFY and EXTEND)
+      extend_indptr: [max_bs + 1] int32, the first max_bs + 1 int32 of row 9, EXTEND: 0, then the
+        running sum of extend_seq_lens (the padded batch's `extend_indptr`, which an attention
+        backend reads instead of computing it at every replay)
     custom_mask: [mask_size] bool, TARGET_VERIFY's tree mask (see ForwardBatch),
       mask_size = max_bs * tokens_per_request * max_context_len.
     """
@@ -171,8 +176,9 @@ class StaticInputs:
         self.input_ids, self.positions, self.out_cache_loc = self.block[:_ROWS, :max_tokens].unbind()
         self.req_pool_indices, self.logits_indices = self.block[_ROWS:_INDPTR, :max_bs].unbind()
         self.mask_indptr = self.block[_INDPTR, : max_bs + 1]
-        lens = self.block[_SEQ:].view(torch.int32)[:, :max_bs]  # [3, max_bs] int32
+        lens = self.block[_SEQ:_EXTEND_INDPTR].view(torch.int32)[:, :max_bs]  # [3, max_bs] int32
         self.seq_lens, self.extend_prefix_lens, self.extend_seq_lens = lens.unbind()
+        self.extend_indptr = self.block[_EXTEND_INDPTR].view(torch.int32)[: max_bs + 1]
         self.custom_mask = torch.zeros(mask_size, dtype=torch.bool, device=device)
         self._views: dict[tuple[int, int], PaddedViews] = {}
         self._padding: dict[tuple, torch.Tensor] = {}
@@ -189,7 +195,7 @@ class StaticInputs:
         return views
 
     def padding(self, key: GraphKey, pad_row: int, fill: int) -> torch.Tensor:
-        """[9, width] int64 on the host, laid out as `block`: what every replay of `key` starts from,
+        """[10, width] int64 on the host, laid out as `block`: what every replay of `key` starts from,
         its requests all padding (row `pad_row`; seq_len `fill` under a uniform key, 0 under an extend
         one; a verify's tokens_per_request new tokens each), its tokens id, position and slot 0. Made
         once per key shape; a replay writes a copy of it."""
@@ -200,7 +206,7 @@ class StaticInputs:
             pbs = key.batch_size
             padding = torch.zeros((_NUM_ROWS, self.views(pbs, key.num_tokens).width), dtype=torch.int64)
             padding[_ROWS, :pbs] = pad_row
-            lens = padding[_SEQ:].view(torch.int32)
+            lens = padding[_SEQ:_EXTEND_INDPTR].view(torch.int32)
             lens[0, :pbs] = 0 if key.ragged else fill
             lens[2, :pbs] = key.tokens_per_request if verify else 0
             self._padding[cached] = padding
@@ -215,7 +221,7 @@ class StaticInputs:
         return PaddedViews(width, self.block[:, :width], self.input_ids[:n], self.positions[:n],
                            self.out_cache_loc[:n], self.req_pool_indices[:bs], self.seq_lens[:bs],
                            self.extend_prefix_lens[:bs], self.extend_seq_lens[:bs], self.logits_indices[:bs],
-                           self.mask_indptr[: bs + 1])
+                           self.mask_indptr[: bs + 1], self.extend_indptr[: bs + 1])
 
 
 def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int, fill: int) -> ForwardBatch:
@@ -231,7 +237,7 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     pbs = key.batch_size
     views = static.views(pbs, key.num_tokens)
     host = static.padding(key, pad_row, fill).clone()  # fresh: see the NOTE below
-    lens = host[_SEQ:].view(torch.int32)  # [3, 2 * width]: seq_lens, prefix lens, extend lens
+    lens = host[_SEQ:_EXTEND_INDPTR].view(torch.int32)  # [3, 2 * width]: seq_lens, prefix lens, extend lens
     from_device = _fill_real(host, lens, batch)
     if key.ragged:
         _pad_extend(host, lens, batch, key)
@@ -247,7 +253,7 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
         view.extend_prefix_lens, view.extend_seq_lens = views.extend_prefix_lens, views.extend_seq_lens
         view.extend_prefix_lens_cpu, view.extend_seq_lens_cpu = lens[1, :pbs], lens[2, :pbs]
     if key.ragged:
-        view.logits_indices = views.logits_indices
+        view.logits_indices, view.extend_indptr = views.logits_indices, views.extend_indptr
     if mask is not None:
         _copy_mask(static, view, batch.custom_mask, *mask)
         view.mask_indptr = views.mask_indptr
@@ -291,7 +297,7 @@ def _pad_extend(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key
     key.token_bucket tokens: request bs (row `pad_row`, no prefix) takes the bucket's n..T tokens
     (position 0, K/V to the dump slot 0), further padded requests have none; every padded
     request's logits row reads token 0 and is dropped at replay. Writes `host` and `lens` (see
-    `pad_into`) from the batch's host extend lengths.
+    `pad_into`) from the batch's host extend lengths, and the padded requests' `extend_indptr`.
     """
     bs, n = batch.batch_size, batch.num_tokens
     pbs, pn = key.batch_size, key.num_tokens
@@ -305,6 +311,7 @@ def _pad_extend(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key
     logits = host[_LOGITS, :bs]
     torch.cumsum(new, 0, out=logits)
     logits.sub_(1)
+    torch.cumsum(lens[2, :pbs], 0, dtype=torch.int32, out=host[_EXTEND_INDPTR].view(torch.int32)[1 : pbs + 1])
 
 
 def _pad_verify(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key: GraphKey) -> tuple[int, int]:

@@ -1,18 +1,21 @@
 """Static buffers for CUDA graphs: bound at capture, refreshed in place before every replay.
 
-A decode graph of batch size bs reads req_pool_indices[:bs], seq_lens[:bs] and a view of the
-shared split scratch; its split count is fixed at capture from bs alone (the kernel lowers it per
-request from the sequence length on the device). A TARGET_VERIFY graph reads a fixed qo_indptr
+A graph reads the capture batch's own tensors where the kernels can (`_bound`: the graph runner's
+static buffers, which it rewrites before every replay), else buffers of its own; a replay copies
+into what the graph reads only what is not already there (`_write`), so a replay of the runner's
+padded batch makes no device operation for a decode or an extend graph.
+
+A decode graph of batch size bs reads the request rows ([bs] int64) and seq_lens ([bs] int32), and
+a view of the shared split scratch; its split count is fixed at capture from bs alone (the kernel
+lowers it per request from the sequence length on the device). A TARGET_VERIFY graph reads a fixed qo_indptr
 (tokens_per_request apart), prefix lengths derived from seq_lens at replay, and, when captured
 with one, the custom mask copied into a buffer of max_num_tokens * max_context_len entries and the
 tokens' positions (a windowed layer reads them under a tree mask). A
 DRAFT_EXTEND graph with the same tokens in every request (an EAGLE draft window) is bound like a
-verify graph without a mask (causal). An EXTEND graph (a token bucket shared by requests of any
-lengths, `key.ragged`) reads its own qo_indptr and prefix lengths, rewritten from the padded
-batch's host extend lengths at every replay in one copy (the two are rows of one buffer), and the
-capture batch's request rows themselves: the graph runner's static buffer, which it rewrites before
-every replay (copied only when a replay's batch has another); its grid covers the whole bucket in
-every request (the kernel skips the blocks past a request's new tokens).
+verify graph without a mask (causal); verify and draft-window graphs read buffers of their own. An
+EXTEND graph (a token bucket shared by requests of any lengths, `key.ragged`) reads the request
+rows, qo_indptr (the padded batch's `extend_indptr`) and the prefix lengths; its grid covers the
+whole bucket in every request (the kernel skips the blocks past a request's new tokens).
 """
 
 from __future__ import annotations
@@ -43,11 +46,9 @@ class GraphBuffers:
         self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int64, device=device)
-        # EXTEND graphs: their own indptr and prefix lengths (verify graphs keep theirs from capture),
-        # the rows of one buffer that a replay writes in one copy.
-        self.extend_lens = torch.zeros((2, max_bs + 1), dtype=torch.int32, device=device)
-        self.extend_qo_indptr = self.extend_lens[0]
-        self.extend_prefix_lens = self.extend_lens[1, :max_bs]
+        # EXTEND graphs captured with a batch whose indptr the kernels cannot read (verify graphs keep
+        # theirs from capture).
+        self.extend_qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.ragged: set[Any] = set()
         self.custom_mask: torch.Tensor | None = None  # allocated by the first verify capture with a mask
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)  # verify with a mask
@@ -69,7 +70,7 @@ class GraphBuffers:
             meta = self._extend_metadata(batch, key.num_tokens)
             self.ragged.add(key)
         elif batch.forward_mode is ForwardMode.DECODE:
-            meta = self._decode_metadata(bs)
+            meta = self._decode_metadata(batch)
         elif batch.forward_mode is ForwardMode.TARGET_VERIFY or _uniform_draft_extend(batch):
             meta = self._verify_metadata(batch)
         else:
@@ -87,13 +88,13 @@ class GraphBuffers:
         bs = batch.batch_size
         if key in self.ragged:
             _check_extend_lens(batch)
-            self._refresh_extend_lens(batch)
-            if batch.req_pool_indices.data_ptr() != meta.req_pool_indices.data_ptr():
-                meta.req_pool_indices.copy_(batch.req_pool_indices)
+            _write(meta.req_pool_indices, batch.req_pool_indices)
+            _write(meta.prefix_lens, batch.extend_prefix_lens)
+            self._refresh_extend_indptr(meta.qo_indptr, batch)
             return meta
-        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        _write(meta.req_pool_indices, batch.req_pool_indices)
         if isinstance(meta, DecodeMetadata):
-            self.seq_lens[:bs].copy_(batch.seq_lens)
+            _write(meta.seq_lens, batch.seq_lens)
             return meta
         per_request = meta.max_q_len
         self.prefix_lens[:bs].copy_(prefix_lengths(batch.seq_lens, per_request))
@@ -105,44 +106,44 @@ class GraphBuffers:
             raise ValueError("triton attention graph: captured without a custom mask, replayed with one")
         return meta
 
-    def _decode_metadata(self, bs: int) -> DecodeMetadata:
+    def _decode_metadata(self, batch: ForwardBatch) -> DecodeMetadata:
+        bs = batch.batch_size
         splits = self.splits_for_bs(bs)
         n = bs * self.num_heads * splits
         return DecodeMetadata(
-            req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
+            req_pool_indices=_bound(batch.req_pool_indices, self.req_pool_indices[:bs]),
+            seq_lens=_bound(batch.seq_lens, self.seq_lens[:bs]),
             num_kv_splits=splits,
             attn_logits=self.attn_logits[: n * self.v_dim].view(bs, self.num_heads, splits, self.v_dim),
             attn_lse=self.attn_lse[:n].view(bs, self.num_heads, splits),
         )
 
     def _extend_metadata(self, batch: ForwardBatch, bucket: int) -> ExtendMetadata:
-        """Requests of any lengths sharing `bucket` tokens: the grid spans the whole bucket. The
-        request rows are the capture batch's own tensor when the kernels can read it (int64,
-        contiguous): the graph runner's static buffer, which a replay of the runner's padded batch
-        need not copy."""
+        """Requests of any lengths sharing `bucket` tokens: the grid spans the whole bucket."""
         _check_extend_lens(batch)
-        bs, rows = batch.batch_size, batch.req_pool_indices
+        bs = batch.batch_size
         return ExtendMetadata(
-            req_pool_indices=rows if rows.dtype == torch.int64 and rows.is_contiguous() else self.req_pool_indices[:bs],
-            qo_indptr=self.extend_qo_indptr[: bs + 1],
-            prefix_lens=self.extend_prefix_lens[:bs],
+            req_pool_indices=_bound(batch.req_pool_indices, self.req_pool_indices[:bs]),
+            qo_indptr=_bound(batch.extend_indptr, self.extend_qo_indptr[: bs + 1]),
+            prefix_lens=_bound(batch.extend_prefix_lens, self.prefix_lens[:bs]),
             max_q_len=bucket,
         )
 
-    def _refresh_extend_lens(self, batch: ForwardBatch) -> None:
-        """qo_indptr and prefix lengths of an extend graph: built on the host from the batch's host
-        extend lengths and written with one copy of both rows (a fresh pageable tensor, staged
-        before the copy returns), else from its device ones."""
-        bs, new, prefix = batch.batch_size, batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
-        if new is None or prefix is None:
-            torch.cumsum(batch.extend_seq_lens, 0, out=self.extend_qo_indptr[1 : bs + 1])
-            self.extend_prefix_lens[:bs].copy_(batch.extend_prefix_lens)
-            return
-        host = torch.zeros(self.extend_lens.shape, dtype=torch.int32)
-        torch.cumsum(new, 0, out=host[0, 1 : bs + 1])
-        host[1, :bs] = prefix
-        self.extend_lens.copy_(host, non_blocking=True)
+    @staticmethod
+    def _refresh_extend_indptr(qo_indptr: torch.Tensor, batch: ForwardBatch) -> None:
+        """An extend graph's qo_indptr [bs + 1] (its first entry always 0): the batch's
+        `extend_indptr` (nothing to do when it is the one bound), else the running sum of its
+        extend lengths, on the host when it has them (one copy of a fresh pageable tensor, staged
+        before the copy returns)."""
+        bs, new = batch.batch_size, batch.extend_seq_lens_cpu
+        if batch.extend_indptr is not None:
+            _write(qo_indptr, batch.extend_indptr)
+        elif new is None:
+            torch.cumsum(batch.extend_seq_lens, 0, out=qo_indptr[1 : bs + 1])
+        else:
+            host = torch.zeros(bs + 1, dtype=torch.int32)
+            torch.cumsum(new, 0, dtype=torch.int32, out=host[1:])
+            qo_indptr.copy_(host, non_blocking=True)
 
     def _verify_metadata(self, batch: ForwardBatch) -> ExtendMetadata:
         bs, per_request = batch.batch_size, batch.tokens_per_request
@@ -198,6 +199,26 @@ class GraphBuffers:
         counts = torch.full((bs,), per_request, dtype=torch.int32, device=self.mask_indptr.device)
         rows = mask_row_counts(self.prefix_lens[:bs], counts)
         self.mask_indptr[1 : bs + 1].copy_(torch.cumsum(rows, 0))
+
+
+def _bound(tensor: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
+    """What a graph reads for `own`'s field: the capture batch's `tensor` itself when the kernels can
+    read it as they would `own` (same dtype, shape and device, contiguous), else `own`.
+
+    NOTE: the graph then reads `tensor`'s memory at every replay, which the capture batch's owner
+    (the graph runner: its static buffers) rewrites before each one; a replay with another tensor
+    is copied into it (`_write`).
+    """
+    if (tensor is not None and tensor.dtype == own.dtype and tensor.shape == own.shape
+            and tensor.device == own.device and tensor.is_contiguous()):
+        return tensor
+    return own
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, unless src is dst (the tensor the graph was bound to): no device operation then."""
+    if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype or src.shape != dst.shape:
+        dst.copy_(src)
 
 
 def _check_extend_lens(batch: ForwardBatch) -> None:

@@ -106,6 +106,7 @@ def expected(spec: Spec, key: GraphKey, fill: int) -> dict[str, list]:
         out["extend_prefix_lens"] = spec.prefix + [0] * (pbs - bs)
         out["seq_lens"] = spec.seq + pad_new
         out["logits_indices"] = [i - 1 for i in accumulate(spec.new)] + [0] * (pbs - bs)
+        out["extend_indptr"] = [0] + list(accumulate(out["extend_seq_lens"]))
         return out
     out["seq_lens"] = spec.seq + [fill] * (pbs - bs)
     if key.mode is VERIFY:
@@ -269,7 +270,75 @@ def test_builder_decode_batch():
     check(pad_into(garbage_static(), batch, key, PAD_ROW, 1), expected(spec, key, 1))
 
 
+@pytest.mark.parametrize("mode", [EXTEND, DECODE])
+def test_builder_device_tensors(mode):
+    """The batch's device tensors (not only its host copies, which the padding reads): values and
+    dtypes of the ForwardBatch contract, req_to_token written, and seq_lens apart from seq_lens_cpu
+    (DecodeState advances both in place)."""
+    req_pool, kv_pool = _pools()
+    reqs = _reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4, 2]], [2, 1] if mode is DECODE else [0, 0])
+    if mode is EXTEND:
+        build_extend_batch(reqs[:1], [3], kv_pool, req_pool)
+        reqs[0].num_cached = 3
+        batch = build_extend_batch(reqs, [2, 3], kv_pool, req_pool)
+        new, prefix, ids, positions = [2, 3], [3, 0], [8, 9, 3, 4, 2], [3, 4, 0, 1, 2]
+    else:
+        batch = build_decode_batch(reqs, kv_pool, req_pool)
+        new, prefix, ids, positions = [1, 1], [2, 1], [7, 4], [2, 1]
+    rows, slots = [r.row for r in reqs], batch.host.out_cache_loc.tolist()
+    seq = [p + k for p, k in zip(prefix, new)]
+    want = {"input_ids": (ids, torch.int64), "positions": (positions, torch.int64),
+            "out_cache_loc": (slots, torch.int64), "req_pool_indices": (rows, torch.int64),
+            "seq_lens": (seq, torch.int32), "seq_lens_cpu": (seq, torch.int32)}
+    if mode is EXTEND:
+        want.update(extend_prefix_lens=(prefix, torch.int32), extend_seq_lens=(new, torch.int32),
+                    extend_prefix_lens_cpu=(prefix, torch.int32), extend_seq_lens_cpu=(new, torch.int32))
+    else:
+        assert batch.extend_seq_lens is None and batch.extend_prefix_lens is None
+    for name, (values, dtype) in want.items():
+        tensor = getattr(batch, name)
+        assert (tensor.tolist(), tensor.dtype) == (values, dtype), name
+    token_rows = [row for row, k in zip(rows, new) for _ in range(k)]
+    assert req_pool.req_to_token[token_rows, positions].tolist() == slots
+    assert len(set(slots)) == len(slots) and 0 not in slots
+    batch.seq_lens.add_(1)
+    assert batch.seq_lens_cpu.tolist() == seq, "seq_lens_cpu shares memory with the device seq_lens"
+    assert batch.host.input_ids.tolist() == ids and batch.host.positions.tolist() == positions
+
+
+def test_builder_long_prefill_packs_its_slots_alike():
+    """More slots than the builder packs through lists (host tensor copies instead): same contract."""
+    req_pool, kv_pool = ReqToTokenPool(4, 512, "cpu"), TokenToKVPool(1024, 1, 1, 8, torch.float32, "cpu")
+    reqs = _reqs(req_pool, [list(range(7, 307)), [3, 4, 2]], [0, 0])
+    kv_pool.alloc(5)  # the slots are not 1, 2, ...
+    batch = build_extend_batch(reqs, [300, 3], kv_pool, req_pool)
+    slots = batch.host.out_cache_loc.tolist()
+    assert len(slots) == 303 and len(set(slots)) == 303
+    assert batch.out_cache_loc.tolist() == slots and batch.out_cache_loc.dtype == torch.int64
+    assert batch.input_ids.tolist() == list(range(7, 307)) + [3, 4, 2]
+    assert batch.seq_lens.tolist() == batch.seq_lens_cpu.tolist() == [300, 3] and batch.seq_lens.dtype == torch.int32
+    assert batch.extend_seq_lens.tolist() == [300, 3] and batch.extend_prefix_lens.tolist() == [0, 0]
+    assert req_pool.req_to_token[reqs[0].row, :300].tolist() == slots[:300]
+    assert req_pool.req_to_token[reqs[1].row, :3].tolist() == slots[300:]
+
+
 # -- device operations ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [EXTEND, DECODE])
+def test_device_operations_of_a_built_batch(mode):
+    """The batch builder: one copy of the packed host tensor (the int32 fields cast on the host) and
+    one scatter into req_to_token; before, two more (casts of the lengths and slots on the device)."""
+    req_pool, kv_pool = ReqToTokenPool(10, 64, "meta"), TokenToKVPool(256, 1, 1, 8, torch.float32, "meta")
+    reqs = _reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4, 2]], [3, 1])
+    with DeviceOps() as ops:
+        if mode is EXTEND:
+            batch = build_extend_batch(reqs, [2, 2], kv_pool, req_pool)
+        else:
+            batch = build_decode_batch(reqs, kv_pool, req_pool)
+    assert ops.ops == ["_to_copy", "index_put_"]
+    assert batch.seq_lens.device.type == "meta" and batch.seq_lens.dtype == torch.int32
+    assert batch.seq_lens_cpu.tolist() == ([5, 3] if mode is EXTEND else [4, 2])
+
 
 # Before the host-built padding (commit 08ede52): 9, 19, 10, 10, 10 and 15 device operations.
 OP_BOUNDS = [
@@ -315,36 +384,63 @@ def test_the_device_op_count_catches_device_work():
         int(static.seq_lens[3])
 
 
-def test_triton_extend_refresh_reads_the_runner_buffers():
-    """An extend graph's attention metadata reads the runner's request rows; a replay writes its
-    qo_indptr and prefix lengths with one copy from the host lengths. A batch with other request
-    rows (another runner's buffers) is copied in."""
-    key = GraphKey(EXTEND, 8, 0, token_bucket=16)
-    capture, replay = Spec(EXTEND, [0] * 7, [10] + [1] * 6, [PAD_ROW] * 7), EXTEND_PREFIX
+def _triton_buffers(device):
+    return GraphBuffers(8, 16, num_heads=2, v_dim=4, max_context_len=64, splits_for_bs=lambda bs: 1, device=device)
 
-    def buffers(device):
-        return GraphBuffers(8, 16, num_heads=2, v_dim=4, max_context_len=64, splits_for_bs=lambda bs: 1, device=device)
 
-    static, graph = garbage_static(device="meta"), buffers("meta")
+@pytest.mark.parametrize("key,capture,replay", [
+    (GraphKey(EXTEND, 8, 0, token_bucket=16), Spec(EXTEND, [0] * 7, [10] + [1] * 6, [PAD_ROW] * 7), EXTEND_PREFIX),
+    (GraphKey(DECODE, 4, 1), Spec(DECODE, [0] * 4, [1] * 4, [PAD_ROW] * 4), DECODE_3),
+], ids=["extend", "decode"])
+def test_triton_refresh_of_a_runner_replay_makes_no_device_operation(key, capture, replay):
+    """Decode and extend graphs read the runner's static buffers (request rows, seq_lens; extend:
+    extend_indptr, prefix lengths), which pad_into wrote: the refresh writes nothing. Before: 2
+    (decode) and 1 (extend) copies per replay."""
+    static, graph = garbage_static(device="meta"), _triton_buffers("meta")
     graph.capture(key, pad_into(static, capture.batch(device="meta"), key, PAD_ROW, 1))
     view = pad_into(static, replay.batch(device="meta"), key, PAD_ROW, 1)
     with DeviceOps() as ops:
         graph.refresh(key, view)
-    assert ops.ops == ["copy_"]  # was a cumsum and two copies
+    assert ops.ops == []
 
-    static, graph = garbage_static(), buffers("cpu")
+
+def test_triton_extend_refresh_reads_the_runner_buffers():
+    """An extend graph's attention metadata is the runner's request rows, extend_indptr and prefix
+    lengths. A batch with other tensors (another runner's buffers) is copied in, from its host
+    lengths or, without them, its device ones."""
+    key = GraphKey(EXTEND, 8, 0, token_bucket=16)
+    capture, replay = Spec(EXTEND, [0] * 7, [10] + [1] * 6, [PAD_ROW] * 7), EXTEND_PREFIX
+    static, graph = garbage_static(), _triton_buffers("cpu")
     graph.capture(key, pad_into(static, capture.batch(), key, PAD_ROW, 1))
     meta = graph.refresh(key, pad_into(static, replay.batch(), key, PAD_ROW, 1))
-    assert meta.req_pool_indices.data_ptr() == static.req_pool_indices.data_ptr()
+    for name, buffer in [("req_pool_indices", static.req_pool_indices), ("qo_indptr", static.extend_indptr),
+                         ("prefix_lens", static.extend_prefix_lens)]:
+        assert getattr(meta, name).data_ptr() == buffer.data_ptr(), name
     want = expected(replay, key, 1)
     assert meta.req_pool_indices.tolist() == want["req_pool_indices"]
-    assert meta.qo_indptr.tolist() == [0] + list(accumulate(want["extend_seq_lens"]))
+    assert meta.qo_indptr.tolist() == want["extend_indptr"] == [0, 3, 8, 10, 16, 16, 16, 16, 16]
     assert meta.prefix_lens.tolist() == want["extend_prefix_lens"]
-    other = pad_into(garbage_static(), capture.batch(), key, PAD_ROW, 1)  # another runner's buffers
-    other.extend_seq_lens_cpu = other.extend_prefix_lens_cpu = None  # and no host lengths: on the device
-    meta = graph.refresh(key, other)
-    assert meta.req_pool_indices.tolist() == [PAD_ROW] * 8 and meta.prefix_lens.tolist() == [0] * 8
-    assert meta.qo_indptr.tolist() == [0, 10, 11, 12, 13, 14, 15, 16, 16]
+    for host in (True, False):
+        other = pad_into(garbage_static(), capture.batch(), key, PAD_ROW, 1)  # another runner's buffers
+        other.extend_indptr = None
+        if not host:  # and no host lengths: from the device ones
+            other.extend_seq_lens_cpu = other.extend_prefix_lens_cpu = None
+        meta = graph.refresh(key, other)
+        assert meta.req_pool_indices.tolist() == [PAD_ROW] * 8 and meta.prefix_lens.tolist() == [0] * 8
+        assert meta.qo_indptr.tolist() == [0, 10, 11, 12, 13, 14, 15, 16, 16]
+        graph.refresh(key, pad_into(static, replay.batch(), key, PAD_ROW, 1))
+
+
+def test_triton_decode_refresh_copies_another_batch_in():
+    """A decode graph bound to the runner's buffers: a batch with tensors of its own is copied into them."""
+    key = GraphKey(DECODE, 4, 1)
+    static, graph = garbage_static(), _triton_buffers("cpu")
+    meta = graph.capture(key, pad_into(static, Spec(DECODE, [0] * 4, [1] * 4, [PAD_ROW] * 4).batch(), key, PAD_ROW, 1))
+    assert meta.req_pool_indices.data_ptr() == static.req_pool_indices.data_ptr()
+    assert meta.seq_lens.data_ptr() == static.seq_lens.data_ptr()
+    batch = Spec(DECODE, [4, 9, 2, 6], [1] * 4, [0, 2, 1, 3]).batch()
+    meta = graph.refresh(key, batch)
+    assert meta.req_pool_indices.tolist() == [0, 2, 1, 3] and meta.seq_lens.tolist() == [5, 10, 3, 7]
 
 
 # -- on a GPU ------------------------------------------------------------------------------------

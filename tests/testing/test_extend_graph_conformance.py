@@ -60,32 +60,34 @@ def _triton_class():
     return TritonAttnBackend
 
 
-@needs_interpreter
-def test_stale_prefix_lengths_fail():
-    class StalePrefixLens(_triton_class()):
-        """Wrong on purpose: replay refreshes everything but the prefix lengths (the last batch's stay)."""
+def _keeps_capture_values(field: str):
+    """A triton backend wrong on purpose: after each replay's refresh, the metadata tensor `field`
+    (what the graph reads) holds the capture batch's values again."""
+
+    class KeepsCaptureValues(_triton_class()):
+        def init_metadata_for_capture(self, key, batch):
+            super().init_metadata_for_capture(key, batch)
+            self.__dict__.setdefault("captured", {})[key] = getattr(self.forward_metadata, field).clone()
 
         def init_metadata_for_replay(self, key, batch):
-            stale = self.graph_buffers.extend_prefix_lens.clone()
             super().init_metadata_for_replay(key, batch)
-            self.graph_buffers.extend_prefix_lens.copy_(stale)
+            getattr(self.forward_metadata, field).copy_(self.captured[key])
 
+    return KeepsCaptureValues
+
+
+@needs_interpreter
+def test_stale_prefix_lengths_fail():
+    """The capture batch's prefix lengths (all 0) where the graph reads them."""
     with pytest.raises(AssertionError, match=r"full extend graph \d+ requests x \d+ tokens replaying .* prefix"):
-        check_extend_graph_replay(_triton_spec(StalePrefixLens), torch.float32, "cpu", **SMALL)
+        check_extend_graph_replay(_triton_spec(_keeps_capture_values("prefix_lens")), torch.float32, "cpu", **SMALL)
 
 
 @needs_interpreter
 def test_stale_extend_lengths_fail():
-    class CaptureTimeIndptr(_triton_class()):
-        """Wrong on purpose: the query offsets of the capture batch are kept at replay."""
-
-        def init_metadata_for_replay(self, key, batch):
-            stale = self.graph_buffers.extend_qo_indptr.clone()
-            super().init_metadata_for_replay(key, batch)
-            self.graph_buffers.extend_qo_indptr.copy_(stale)
-
+    """The query offsets of the capture batch kept at replay."""
     with pytest.raises(AssertionError, match="full extend graph"):
-        check_extend_graph_replay(_triton_spec(CaptureTimeIndptr), torch.float32, "cpu", **SMALL)
+        check_extend_graph_replay(_triton_spec(_keeps_capture_values("qo_indptr")), torch.float32, "cpu", **SMALL)
 
 
 class PlansOncePerShape(TorchNativeAttnBackend):

@@ -420,12 +420,14 @@ def test_graph_metadata_path_matches_eager(mode, per_request, masked):
     backend.init_graph_state(max_bs=8, max_num_tokens=32)
     capture = reqs.step(mode, [per_request] * 3, masked=masked, pad_to=4)
     backend.init_metadata_for_capture(("key", mode), capture)
+    rows = backend.forward_metadata.req_pool_indices  # decode: the capture batch's own; verify: the buffers'
+    assert rows.data_ptr() == (capture.req_pool_indices if mode is ForwardMode.DECODE
+                               else backend.graph_buffers.req_pool_indices).data_ptr()
     run_layer(backend, capture, gen, init=False)
     for _ in range(2):  # replay twice with new lengths
         batch = reqs.step(mode, [per_request] * 3, masked=masked, pad_to=4)
         backend.init_metadata_for_replay(("key", mode), batch)
-        assert backend.forward_metadata.req_pool_indices.data_ptr() == \
-            backend.graph_buffers.req_pool_indices.data_ptr()
+        assert backend.forward_metadata.req_pool_indices.data_ptr() == rows.data_ptr()
         q, k, v, o_graph = run_layer(backend, batch, gen, init=False)
         real = 3 * per_request
         torch.testing.assert_close(o_graph[:real], reqs.expected(batch, q, masked), atol=2e-4, rtol=2e-4)
