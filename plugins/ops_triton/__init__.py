@@ -3,12 +3,14 @@ greedy sampling (argmax and its log-probability in one kernel).
 
 This module is the plugin's entry point and registers implementations only; triton is imported
 on the first launch. On CUDA the ops rank at priority 50: above native (0), below FlashInfer's
-ops (100), so where FlashInfer is installed only the ops it lacks (`rotary_kv_write`, `greedy_sample`) come
-from here.
+ops (100), so where FlashInfer is installed only the ops it lacks (`rotary_kv_write`) come from here.
 They rose from -10 (named only) once the GPU tests of the ops (today `python -m bench.run ops`) had
 passed on an H200 (2026-12-04: 169 GPU tests; 2-20x faster than native in a graph, see
-docs/performance.md); `greedy_sample` came later at 50 without that GPU run (the startup probe
-still checks it against native on the GPU). On CPU they run only under TRITON_INTERPRET=1 and only when asked for
+docs/performance.md). `greedy_sample` ranks at -10 on CUDA (named only: `--custom-ops
+greedy_sample=triton`): its GPU tests pass (H100, 2026-12-07), but on the GPU machine's host one
+Triton launch from Python cost more than the three torch launches it replaces (`bench.host_path
+--real-model`: the sampling phase 84 -> 145 us a request) and its device-side gain is unmeasured; it
+rises once `bench.decode` shows one. On CPU they run only under TRITON_INTERPRET=1 and only when asked for
 (`--custom-ops rms_norm=triton`): their CPU priority is below native's, so nothing picks them by
 itself. Every op is a torch.library op, declared compile-safe: under `--enable-torch-compile` it
 stays one opaque call in the compiled graph instead of being replaced by native.
@@ -24,6 +26,8 @@ from backplane import CustomOpImpl, hookimpl
 NAME = "triton"
 CUDA_PRIORITY = 50  # above native (0), below FlashInfer (100)
 CPU_PRIORITY = -50  # below native (0): on CPU only an explicit --custom-ops picks it
+NAMED_ONLY = -10  # below native on CUDA too: runs only when --custom-ops names it
+CUDA_PRIORITIES = {"greedy_sample": NAMED_ONLY}  # ops whose CUDA rank is not CUDA_PRIORITY (see the docstring)
 INSTALL_HINT = "pip install triton"
 
 
@@ -52,7 +56,7 @@ def backplane_register_custom_ops(register):
     from backplane.plugins.ops_triton.ops import TRITON_OPS
 
     for op, fn in TRITON_OPS.items():
-        register(CustomOpImpl(op=op, platform="cuda", fn=fn, name=NAME, priority=CUDA_PRIORITY,
+        register(CustomOpImpl(op=op, platform="cuda", fn=fn, name=NAME, priority=CUDA_PRIORITIES.get(op, CUDA_PRIORITY),
                               available=_available_cuda, compile_safe=True))
         register(CustomOpImpl(op=op, platform="cpu", fn=fn, name=NAME, priority=CPU_PRIORITY,
                               available=_available_cpu, compile_safe=True))

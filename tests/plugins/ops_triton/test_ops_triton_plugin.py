@@ -39,14 +39,18 @@ def test_registered_on_both_platforms_compile_safe(impls):
     assert sorted((impl.op, impl.platform) for impl in mine) == sorted(
         (op, p) for op in TRITON_OPS for p in ("cpu", "cuda"))
     assert all(impl.compile_safe for impl in mine)
-    assert {impl.priority for impl in mine if impl.platform == "cuda"} == {CUDA_PRIORITY}
+    assert {impl.op: impl.priority for impl in mine if impl.platform == "cuda"} == {
+        op: -10 if op == "greedy_sample" else CUDA_PRIORITY for op in TRITON_OPS}
     assert all(impl.priority < 0 for impl in mine if impl.platform == "cpu")
 
 
 def test_cuda_picks_triton_by_priority(impls, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     ops = resolve_custom_ops(impls, "cuda", {})
-    assert {op: ops.chosen[op] for op in TRITON_OPS} == {op: "triton" for op in TRITON_OPS}
+    # greedy_sample is named only on CUDA (its host launch cost: the plugin's docstring)
+    assert {op: ops.chosen[op] for op in TRITON_OPS} == {
+        op: "native" if op == "greedy_sample" else "triton" for op in TRITON_OPS}
+    assert resolve_custom_ops(impls, "cuda", {"greedy_sample": "triton"}).chosen["greedy_sample"] == "triton"
     # a plugin ranked below native runs only when named
     low = [dataclasses.replace(i, priority=-10) if i.name == "triton" else i for i in impls]
     assert resolve_custom_ops(low, "cuda", {}).chosen["rms_norm"] == "native"
