@@ -512,7 +512,9 @@ def main(argv: list[str] | None = None) -> dict:
     if ns.pressure:
         ns.rows += measure_pressure(ns)
     args = {k: v for k, v in vars(ns).items() if k not in ("scenarios", "rows", "out")}  # no machine paths
-    report.write_result("host-path", ns.model, {"args": args, "rows": ns.rows}, ns.out, ns.device)
+    # the backend in the name: one call may measure several, each into its own file
+    subject = ns.model + ("" if ns.attention_backend == "auto" else f"-{ns.attention_backend}")
+    report.write_result("host-path", subject, {"args": args, "rows": ns.rows}, ns.out, ns.device)
     print(report.table(ns.rows, COLUMNS, f"host ms per request outside the model ({ns.model}, {ns.device}, "
                                          "generate max_new_tokens=1, stub forward; decode@N: per decode step; "
                                          "pressure@BS: per decode step of BS requests on a full pool)"))
