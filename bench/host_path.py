@@ -384,10 +384,10 @@ def _project_dirs() -> tuple[str, ...]:
     return tuple(str(Path(m.__file__).resolve().parent) + "/" for m in (backplane, backplane.plugins))
 
 
-def _call_site() -> str:
+def _call_site(depth: int = 2) -> str:
     """file:line (function) of the innermost frame in backplane or its plugins (named from the
-    package folder's parent, e.g. core/scheduler/overlap.py), two frames up from here and beyond."""
-    dirs, frame = _project_dirs(), sys._getframe(2)
+    package folder's parent, e.g. core/scheduler/overlap.py), `depth` frames up from here and beyond."""
+    dirs, frame = _project_dirs(), sys._getframe(depth)
     while frame is not None:
         file = frame.f_code.co_filename
         top = next((d for d in dirs if file.startswith(d)), None)
@@ -418,6 +418,7 @@ class DeviceOps(TorchDispatchMode):
     project's call site. A graph replay is one launch, invisible to the dispatcher; meta-data only
     operations (views) are counted too, marked as such, since each costs host time."""
 
+    HOST = ("cpu", "meta")  # device types that are not a device here (tests count meta as one)
     VIEWS = frozenset({"view", "slice", "select", "as_strided", "unsqueeze", "squeeze", "expand", "t",
                        "transpose", "permute", "alias", "detach", "_unsafe_view", "reshape", "narrow"})
 
@@ -431,27 +432,14 @@ class DeviceOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         tensors += [o for o in outs if isinstance(o, torch.Tensor)]
-        on_device = any(t.device.type not in ("cpu", "meta") for t in tensors)
+        on_device = any(t.device.type not in self.HOST for t in tensors)
         if on_device:
             name = func.overloadpacket.__name__
             pageable = name in ("copy_", "_to_copy") and any(
                 t.device.type == "cpu" and not t.is_pinned() for t in tensors)
             label = name + (" (pageable h2d)" if pageable else " (view)" if name in self.VIEWS else "")
-            self.sites[(label, _call_site_any())] += 1
+            self.sites[(label, _call_site(depth=1))] += 1
         return out
-
-
-def _call_site_any() -> str:
-    """`_call_site` from any depth: the innermost frame of the project's code."""
-    dirs, frame = _project_dirs(), sys._getframe(1)
-    while frame is not None:
-        file = frame.f_code.co_filename
-        top = next((d for d in dirs if file.startswith(d)), None)
-        if top is not None:
-            parent = str(Path(top).parent)
-            return f"{file[len(parent) + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
-        frame = frame.f_back
-    return "?"
 
 
 def device_ops(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str, float]]:

@@ -76,3 +76,22 @@ def test_host_reads_name_each_read_and_each_cuda_synchronisation_with_its_call_s
     if not torch.cuda.is_available():
         assert reads.sites[("cuda.synchronize", "cuda", "?")] == 1  # called from outside the project
     assert torch.cuda.synchronize is not None and "call" not in torch.cuda.synchronize.__name__  # patch undone
+
+
+def test_device_ops_counts_device_operations_and_pageable_copies_by_kind():
+    """bench.host_path's DeviceOps: every operation touching a device tensor (meta stands in for one
+    here), views marked, a copy from pageable host memory marked; host-only operations not counted."""
+    from bench.host_path import DeviceOps
+
+    class MetaIsDevice(DeviceOps):
+        HOST = ("cpu",)
+
+    ops = MetaIsDevice()
+    host = torch.arange(4)
+    with ops:
+        dev = torch.empty(4, device="meta")
+        dev.copy_(host)
+        dev[1:].add_(1)
+        host * 2
+    counts = {label: k for (label, _site), k in ops.sites.items()}
+    assert counts == {"empty": 1, "copy_ (pageable h2d)": 1, "slice (view)": 1, "add_": 1}, counts
