@@ -398,14 +398,20 @@ def _call_site(depth: int = 2) -> str:
     return "?"
 
 
+def _requests_under(mode, engine: Engine, sc: ttft.Scenario, n: int, seed: int):
+    """`mode` (a torch function or dispatch mode) after n requests of `sc`, each run inside it (its
+    cache preparation outside)."""
+    for i in range(n):
+        request, prepare = one_request(engine, sc, seed=seed + i)
+        prepare()
+        with mode:
+            request()
+    return mode
+
+
 def host_reads(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str, str, float]]:
     """(read or synchronisation, tensor device, call site, per request) of n requests of `sc`, by call site."""
-    reads = HostReads()
-    for i in range(n):
-        request, prepare = one_request(engine, sc, seed=9000 + i)
-        prepare()
-        with reads:
-            request()
+    reads = _requests_under(HostReads(), engine, sc, n, seed=9000)
     return sorted(((name, dev, site, k / n) for (name, dev, site), k in reads.sites.items()), key=lambda r: r[2])
 
 
@@ -444,12 +450,7 @@ class DeviceOps(TorchDispatchMode):
 
 def device_ops(engine: Engine, sc: ttft.Scenario, n: int) -> list[tuple[str, str, float]]:
     """(operation, call site, per request) of n requests of `sc`, in call-site order."""
-    ops = DeviceOps()
-    for i in range(n):
-        request, prepare = one_request(engine, sc, seed=9500 + i)
-        prepare()
-        with ops:
-            request()
+    ops = _requests_under(DeviceOps(), engine, sc, n, seed=9500)
     return sorted(((op, site, k / n) for (op, site), k in ops.sites.items()), key=lambda r: r[1])
 
 
