@@ -94,9 +94,9 @@ class GraphBinding:
 class WrapperCache:
     """The wrappers of the eager path (binding None) or of one captured graph, by (role, config).
 
-    A captured graph's decode wrappers are re-planned at every replay. After the first full plan()
-    they take the short road (`replan_decode`) when it proved to give the same plan; `fast_replans`
-    counts those.
+    A captured graph's wrappers are re-planned at every replay. After the first full plan(), a
+    decode wrapper and a causal paged one (an EXTEND graph's) take the short road (`replan_decode`,
+    `replan_paged`) once it proved to give the same plan; `fast_replans` counts those replays.
     """
 
     def __init__(self, workspace: torch.Tensor, use_tensor_cores: bool, binding: GraphBinding | None = None):
@@ -104,8 +104,13 @@ class WrapperCache:
         self.use_tensor_cores = use_tensor_cores
         self.binding = binding
         self._wrappers: dict[tuple[str, LayerConfig], Any] = {}
-        self.fast_decode: dict[tuple[str, LayerConfig], bool] = {}  # key -> replan_decode proved equal
+        self.fast_plan: dict[tuple[str, LayerConfig], bool] = {}  # key -> its short road proved equal
         self.fast_replans = 0
+
+    @property
+    def fast_decode(self) -> dict[tuple[str, LayerConfig], bool]:
+        """The name `fast_plan` had while only decode wrappers took a short road."""
+        return self.fast_plan
 
     def get(self, role: str, config: LayerConfig) -> Any:
         key = (role, config)
@@ -130,20 +135,34 @@ class WrapperCache:
 
 
 def plan_cached(cache: WrapperCache, role: str, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> Any:
-    """The wrapper of (role, config) in `cache`, planned for `geo`: a graph's decode wrapper by the
-    short road once it proved equal to plan(), everything else by plan()."""
+    """The wrapper of (role, config) in `cache`, planned for `geo`: a graph's decode and causal paged
+    wrappers by their short road once it proved equal to plan(), everything else by plan()."""
     wrapper = cache.get(role, config)
     key = (role, config)
-    if cache.binding is None or role != DECODE:
+    short = _short_road(cache, role, geo)
+    if short is None:
         plan(wrapper, role, geo, config, dims)
-    elif cache.fast_decode.get(key):
-        replan_decode(wrapper, geo, config, dims)
+    elif cache.fast_plan.get(key):
+        short(wrapper, geo, config, dims)
         cache.fast_replans += 1
     else:
         plan(wrapper, role, geo, config, dims)
-        if key not in cache.fast_decode:
-            cache.fast_decode[key] = _replan_matches(wrapper, geo, config, dims)
+        if key not in cache.fast_plan:
+            cache.fast_plan[key] = _replan_matches(wrapper, role, short, geo, config, dims)
     return wrapper
+
+
+def _short_road(cache: WrapperCache, role: str, geo: ForwardGeometry) -> Any:
+    """The short re-plan of a graph-bound wrapper of `role` for `geo`, or None where only plan() will do:
+    eager wrappers, the masked one (plan() packs the mask) and a paged one promised a uniform query
+    length (plan() forwards the promise to the planner)."""
+    if cache.binding is None:
+        return None
+    if role == DECODE:
+        return replan_decode
+    if role == PAGED and geo.uniform_q_len is None:
+        return replan_paged
+    return None
 
 
 def replan_decode(wrapper: Any, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> None:
@@ -174,20 +193,46 @@ def replan_decode(wrapper: Any, geo: ForwardGeometry, config: LayerConfig, dims:
     wrapper._batch_size = batch_size
 
 
-def _replan_matches(wrapper: Any, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> bool:
-    """Whether replan_decode, right after plan() for the same batch, yields the same plan (and runs)."""
+def replan_paged(wrapper: Any, geo: ForwardGeometry, config: LayerConfig, dims: Dims) -> None:
+    """Re-plan a graph-bound causal paged prefill wrapper (an EXTEND graph's) that plan() has planned
+    once, for a batch of its size.
+
+    Of what plan() does at a replay, the graph needs only two things: the query indptr in the
+    wrapper's buffer, and the work split, which FlashInfer's compiled planner computes from the host
+    lengths into the int workspace. The key indptr and indices are already in the graph's buffers
+    (`make_span` wrote them where the wrapper reads), and the last-page lengths are ones. plan()
+    copies all of them again (four more copies), plus the key lengths, which the "fa2" kernels do not
+    read, and resolves dtypes, checks and logs in Python. Like `replan_decode`, this reads
+    FlashInfer's private attributes, so WrapperCache uses it only after `_replan_matches` showed it
+    yields plan()'s own plan on this FlashInfer.
+    """
+    span, qo_indptr = geo.full, geo.qo_indptr_cpu
+    batch_size, total_rows = qo_indptr.numel() - 1, int(qo_indptr[-1])
+    wrapper._qo_indptr_buf.copy_(qo_indptr, non_blocking=True)
+    args = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
+            qo_indptr, span.indptr_cpu, span.kv_lens_cpu, wrapper._max_total_num_rows or total_rows, batch_size,
+            dims.num_heads, dims.num_kv_heads, 1, True, dims.head_dim, dims.head_dim, True, config.window_left,
+            -1, False, 0, 0)  # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+    wrapper._plan_info = wrapper._cached_module.plan(*args)
+    wrapper._qo_indptr_last = total_rows
+
+
+def _replan_matches(wrapper: Any, role: str, short: Any, geo: ForwardGeometry, config: LayerConfig,
+                    dims: Dims) -> bool:
+    """Whether the short road `short`, right after plan() for the same batch, yields the same plan
+    (and runs); if not, plan() again."""
     if getattr(wrapper, "_backend", None) != PAGED_BACKEND:
         return False
     try:
         expected = list(wrapper._plan_info)
-        replan_decode(wrapper, geo, config, dims)
+        short(wrapper, geo, config, dims)
         same = list(wrapper._plan_info) == expected
     except Exception as e:  # noqa: BLE001 - another FlashInfer's planner signature: keep plan()
-        logger.warning("flashinfer attention: the short decode re-plan does not fit this FlashInfer (%s); "
-                       "re-planning with plan()", e)
+        logger.warning("flashinfer attention: the short %s re-plan does not fit this FlashInfer (%s); "
+                       "re-planning with plan()", role, e)
         same = False
     if not same:
-        plan(wrapper, DECODE, geo, config, dims)
+        plan(wrapper, role, geo, config, dims)
     return same
 
 

@@ -251,6 +251,54 @@ def _capture_and_replay(mode, capture_lens, replay_lens, tokens_per_request, mas
         assert backend._graph_caches["key"].fast_replans == 2
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bucket:  # what the backend reads of the graph runner's key: an EXTEND graph's is ragged
+    tokens: int
+    ragged: bool = True
+
+
+def test_extend_graph_replay_equals_eager_by_the_short_paged_replan():
+    """An EXTEND graph (64 tokens over 2 requests) replayed for other splits and prefixes equals eager
+    and the reference, and from the first replay on its paged wrapper re-plans by the short road
+    (`replan_paged`, proved equal to plan() at capture on this FlashInfer)."""
+    torch.manual_seed(5)
+    dtype, num_heads, hkv = torch.bfloat16, 32, 8
+    pools = make_pools(4096, hkv, 128, dtype)
+    layer = AttentionLayerInfo(0, num_heads, hkv, 128, 128**-0.5)
+    backend = make_backend(pools, num_heads, dtype)
+    backend.init_graph_state(max_bs=2, max_num_tokens=64)
+    key = _Bucket(64)
+    static = make_batch(pools, E, [24, 340], [24, 40])
+    q, k, v = (torch.randn(64, h, 128, dtype=dtype, device="cuda") for h in (num_heads, hkv, hkv))
+    backend.init_metadata_for_capture(key, static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: learns the layer config, plans it
+        backend.forward(q, k, v, layer, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, layer, static)
+    for seq_lens, new_lens in (([9, 700], [9, 55]), ([130, 5], [60, 4]), ([24, 340], [24, 40])):
+        fresh = make_batch(pools, E, seq_lens, new_lens)
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens",
+                     "extend_seq_lens"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        for t in (q, k, v):
+            t.normal_()
+        replay = dataclasses.replace(static, seq_lens_cpu=fresh.seq_lens_cpu,
+                                     extend_prefix_lens_cpu=fresh.extend_prefix_lens_cpu,
+                                     extend_seq_lens_cpu=fresh.extend_seq_lens_cpu)
+        backend.init_metadata_for_replay(key, replay)
+        graph.replay()
+        replayed = out.clone()
+        backend.init_forward_metadata(fresh)
+        eager = backend.forward(q, k, v, layer, fresh)
+        torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(replayed, reference_attention(q, layer, fresh), **TOL[dtype])
+    assert backend._graph_caches[key].fast_replans == 3
+
+
 def test_decode_graph_replay_equals_eager():
     _capture_and_replay(D, [5, 1, 300, 77], [9, 1000, 2, 1], tokens_per_request=1, mask=False)
 

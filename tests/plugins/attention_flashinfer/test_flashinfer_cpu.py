@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 import math
 import os
 import subprocess
@@ -397,12 +398,36 @@ class FakeDecode(_FakeWrapper):
         return self._outputs(q, per_request, return_lse)
 
 
+class FakePrefillPlanner:
+    """Stands in for the compiled planner that 0.7.2's paged prefill plan() calls ("fa2": 20 positional
+    arguments). Its plan names the batch (query and key indptr), so a run of a graph whose buffers or
+    plan belong to another batch fails."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def plan(self, *args):
+        self.calls += 1
+        assert len(args) == 20, len(args)
+        qo_indptr, kv_indptr, kv_lens, max_rows, bs = args[3:8]
+        for t in (qo_indptr, kv_indptr, kv_lens):
+            assert t.device.type == "cpu" and t.dtype == torch.int32
+        assert qo_indptr.numel() == kv_indptr.numel() == bs + 1 and max_rows >= int(qo_indptr[-1])
+        assert kv_lens.tolist() == (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+        assert args[10] == 1 and isinstance(args[14], bool)  # page size, causal
+        return [bs, *qo_indptr.tolist(), *kv_indptr.tolist()]
+
+
 class FakePagedPrefill(_FakeWrapper):
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo=qo_indptr_buf,
                          indptr=paged_kv_indptr_buf, indices=paged_kv_indices_buf, mask=custom_mask_buf)
+        self._backend, self._qo_indptr_buf, self._max_total_num_rows = backend, qo_indptr_buf, None
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer = torch.empty(8, dtype=torch.uint8)
+        self._cached_module = FakePrefillPlanner()
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
@@ -415,6 +440,15 @@ class FakePagedPrefill(_FakeWrapper):
         # (the real plan packs the mask into bits; here the bool mask goes into a bool stand-in buffer)
         self.mask = None if custom_mask is None else self._store_mask(custom_mask)
         self._config(window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type)
+        qo_host, kv_host = qo_indptr.to("cpu"), paged_kv_indptr.to("cpu")
+        total, bs = int(qo_host[-1]), qo_host.numel() - 1
+        if self.use_cuda_graph and self._max_total_num_rows is None:
+            self._max_total_num_rows = total
+        work = (self._float_workspace_buffer, self._int_workspace_buffer, self._pin_memory_int_workspace_buffer)
+        self._plan_info = self._cached_module.plan(
+            *work, qo_host, kv_host, (kv_host[1:] - kv_host[:-1]).to(torch.int32), self._max_total_num_rows or total,
+            bs, num_qo_heads, num_kv_heads, page_size, self.use_cuda_graph, head_dim_qk, head_dim_vo or head_dim_qk,
+            causal, window_left, -1, False, 0, uniform_q_len or 0)
 
     def _store_mask(self, mask):
         if not self.use_cuda_graph:
@@ -426,8 +460,11 @@ class FakePagedPrefill(_FakeWrapper):
 
     def run(self, q, paged_kv_cache, *, return_lse=False):
         k_cache, v_cache = paged_kv_cache
+        bs = self.qo.numel() - 1
+        assert self._plan_info == [bs, *self.qo.tolist(), *self.indptr[: bs + 1].tolist()], \
+            "run with the plan of another batch"
         per_request, mask_start = [], 0
-        for i in range(self.qo.numel() - 1):
+        for i in range(bs):
             rows = slice(int(self.qo[i]), int(self.qo[i + 1]))
             slots = self.indices[self.indptr[i] : self.indptr[i + 1]].long()
             n, m = rows.stop - rows.start, slots.numel()
@@ -592,6 +629,81 @@ def test_short_replan_is_used_only_where_it_equals_plan(fake_flashinfer, monkeyp
     assert all(w.use_tensor_cores == tensor_cores for w in cache._wrappers.values())
     assert ("does not fit this FlashInfer" in caplog.text) == (planner == "raises")
     assert wrappers.DECODE in {role for role, _ in cache._wrappers}
+
+
+@dataclasses.dataclass(frozen=True)
+class _BucketKey:  # what the backend reads of the graph runner's key: an EXTEND graph's is ragged
+    name: str
+    ragged: bool = True
+
+
+@pytest.mark.parametrize("planner", ["agrees", "raises", "differs"])
+def test_extend_graph_replays_take_the_short_paged_replan(fake_flashinfer, monkeypatch, caplog, planner):
+    """An EXTEND graph's causal paged wrappers are re-planned by the short road once it proved equal
+    to plan(): the replayed graph then reads the new batch's query indptr and plan (FakePagedPrefill.run
+    checks both against its buffers). A planner that disagrees keeps plan() at every replay."""
+    from backplane.plugins.attention_flashinfer import wrappers
+
+    if planner != "agrees":
+        class OtherPlanner(FakePrefillPlanner):
+            def plan(self, *args):
+                if planner == "raises" and args[-1] == 0 and args[13] == 16 and self.calls and not self.inside:
+                    raise TypeError("plan() takes 21 positional arguments")
+                info = super().plan(*args)
+                return info + [self.calls] if planner == "differs" else info
+
+        original_plan = FakePagedPrefill.plan
+
+        def plan(self, *args, **kwargs):  # the planner as plan() calls it (the short road calls it bare)
+            self._cached_module.inside = True
+            try:
+                original_plan(self, *args, **kwargs)
+            finally:
+                self._cached_module.inside = False
+
+        original_init = FakePagedPrefill.__init__
+
+        def init(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self._cached_module = OtherPlanner()
+            self._cached_module.inside = False
+
+        monkeypatch.setattr(FakePagedPrefill, "__init__", init)
+        monkeypatch.setattr(FakePagedPrefill, "plan", plan)
+        monkeypatch.setattr(FakePagedPrefill, "run", _plan_unchecked(FakePagedPrefill.run))
+    key = _BucketKey("extend-2")
+    batch, new_kv = _make_batch(ForwardMode.EXTEND, [6, 14], [6, 10], seed=4)  # 16 tokens: the bucket
+    backend = _backend(batch)
+    backend.init_graph_state(max_bs=2, max_num_tokens=16)
+    backend.init_metadata_for_capture(key, batch)
+    _run_both(backend, batch, new_kv)  # warm-up: learns the configs, plans on the graph wrappers
+    pools = (batch.token_to_kv_pool, batch.req_to_token_pool)
+    for seed, (seq_lens, new_lens) in enumerate([([9, 3], [2, 3]), ([20, 5], [7, 1]), ([1, 14], [1, 14])]):
+        replay, replay_kv = _make_batch(ForwardMode.EXTEND, seq_lens, new_lens, seed=5 + seed, pools=pools)
+        backend.init_metadata_for_replay(key, replay)
+        ours, refs = _run_both(backend, replay, replay_kv)
+        for got, ref in zip(ours, refs):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    cache = backend._graph_caches[key]
+    assert {role for role, _ in cache._wrappers} == {wrappers.PAGED}
+    if planner == "agrees":  # the capture's first plan proved the road for each of the 2 layer configs
+        assert all(cache.fast_plan.values()) and len(cache.fast_plan) == 2
+        assert cache.fast_replans == 6 and cache.fast_decode is cache.fast_plan  # 3 replays x 2 configs
+    else:
+        assert cache.fast_replans == 0 and not any(cache.fast_plan.values())
+    assert ("short paged re-plan does not fit" in caplog.text) == (planner == "raises")
+
+
+def _plan_unchecked(run):
+    """FakePagedPrefill.run without its plan check (the planners above return other plans)."""
+    def unchecked(self, q, paged_kv_cache, *, return_lse=False):
+        info, bs = self._plan_info, self.qo.numel() - 1
+        self._plan_info = [bs, *self.qo.tolist(), *self.indptr[: bs + 1].tolist()]
+        try:
+            return run(self, q, paged_kv_cache, return_lse=return_lse)
+        finally:
+            self._plan_info = info
+    return unchecked
 
 
 def _unchecked_run(wrapper, q, paged_kv_cache):
