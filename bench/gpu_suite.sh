@@ -32,7 +32,7 @@ declare -A FILES=(
   [models]="-k graphs tests/models/test_model_conformance.py tests/plugins/model_gemma tests/plugins/model_phi3 tests/plugins/test_newcomer_olmo2.py tests/plugins/model_moe/test_model_moe_conformance.py"
   [moe]="tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_fp8_gpu.py tests/plugins/model_moe/test_moe_gpu.py tests/testing/test_moe_conformance.py tests/moe"
   [windows]="tests/attention/test_tree_verify_window.py"
-  [hostpath]="tests/gpu/test_greedy_sample_gpu.py tests/scheduler/test_launch_copy.py tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py"
+  [hostpath]="tests/gpu/test_attention_flashinfer_gpu.py tests/gpu/test_greedy_sample_gpu.py tests/scheduler/test_launch_copy.py tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py"
 )
 for spec in ${AREAS:-}; do
   name=${spec%%:*} limit=${spec##*:} t0=$(date +%s)
