@@ -6,6 +6,7 @@ vectors so that backends can plan on the host without a device synchronisation.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import inspect
 import warnings
@@ -51,6 +52,16 @@ class HostBatch:
     def has_placeholders(self) -> bool:
         """Whether some input id is a placeholder for a token still on the device."""
         return bool(self.input_ids.numel()) and int(self.input_ids.min()) < 0
+
+
+def host_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
+    """The values of host tensor `tensor` as `dtype`, in order, as their bytes. A contiguous CPU
+    tensor of `dtype` (the batch builder's host copies, seq_lens_cpu) is read from its memory by
+    no torch operator; any other goes through a converted copy."""
+    if tensor.dtype is not dtype or not tensor.is_cpu or not tensor.is_contiguous():
+        tensor = tensor.to("cpu", dtype).contiguous()
+    size = tensor.nbytes
+    return ctypes.string_at(tensor.data_ptr(), size) if size else b""
 
 
 class ForwardMode(enum.Enum):

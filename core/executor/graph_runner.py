@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
+from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch, host_bytes
 from backplane.contracts.forward_context import ForwardContext
 from backplane.executor.graph_sizes import (GraphKey, capture_batch_sizes, combine_variants, extend_batch_sizes,
                                             extend_shape, extend_token_buckets, padded_size, tokens_per_request)
@@ -131,15 +133,18 @@ _NUM_ROWS = 10
 # columns of a larger one are a strided destination, which a copy reaches through a staging tensor
 # and a device kernel (two device operations).
 _WHOLE_BLOCK_BYTES = 64 * 1024
+# The byte of an int64 that holds its sign (a negative input id is a placeholder).
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0
 
 
 @dataclass(frozen=True)
 class PaddedViews:
     """The static buffers' views for the graphs of one padded shape (batch_size requests,
-    num_tokens tokens), and `dst`: the block's first `width` columns, which their replays overwrite."""
+    num_tokens tokens), and `dst`: the block's first `width` columns, which their replays overwrite
+    (flat when they are the whole block: a flat host tensor goes over with no view of it made)."""
 
     width: int
-    dst: torch.Tensor  # [10, width] int64
+    dst: torch.Tensor  # [10, width] int64, or [10 * width] when width is the block's
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
@@ -181,7 +186,7 @@ class StaticInputs:
         self.extend_indptr = self.block[_EXTEND_INDPTR].view(torch.int32)[: max_bs + 1]
         self.custom_mask = torch.zeros(mask_size, dtype=torch.bool, device=device)
         self._views: dict[tuple[int, int], PaddedViews] = {}
-        self._padding: dict[tuple, torch.Tensor] = {}
+        self._padding: dict[tuple, bytes] = {}
 
     @classmethod
     def allocate(cls, max_bs: int, max_tokens: int, device, mask_size: int = 0) -> StaticInputs:
@@ -197,19 +202,24 @@ class StaticInputs:
     def padding(self, key: GraphKey, pad_row: int, fill: int) -> torch.Tensor:
         """[10, width] int64 on the host, laid out as `block`: what every replay of `key` starts from,
         its requests all padding (row `pad_row`; seq_len `fill` under a uniform key, 0 under an extend
-        one; a verify's tokens_per_request new tokens each), its tokens id, position and slot 0. Made
-        once per key shape; a replay writes a copy of it."""
+        one; a verify's tokens_per_request new tokens each), its tokens id, position and slot 0. A
+        fresh tensor of `padding_bytes`."""
+        data = bytearray(self.padding_bytes(key, pad_row, fill))
+        return torch.frombuffer(data, dtype=torch.int64).view(_NUM_ROWS, -1)
+
+    def padding_bytes(self, key: GraphKey, pad_row: int, fill: int) -> bytes:
+        """`padding`'s bytes, made once per key shape; a replay starts from a copy of them (`pad_into`)."""
         verify = key.mode is ForwardMode.TARGET_VERIFY
         cached = (key.batch_size, key.num_tokens, key.ragged, verify and key.tokens_per_request, pad_row, fill)
         padding = self._padding.get(cached)
         if padding is None:
             pbs = key.batch_size
-            padding = torch.zeros((_NUM_ROWS, self.views(pbs, key.num_tokens).width), dtype=torch.int64)
-            padding[_ROWS, :pbs] = pad_row
-            lens = padding[_SEQ:_EXTEND_INDPTR].view(torch.int32)
+            rows = torch.zeros((_NUM_ROWS, self.views(pbs, key.num_tokens).width), dtype=torch.int64)
+            rows[_ROWS, :pbs] = pad_row
+            lens = rows[_SEQ:_EXTEND_INDPTR].view(torch.int32)
             lens[0, :pbs] = 0 if key.ragged else fill
             lens[2, :pbs] = key.tokens_per_request if verify else 0
-            self._padding[cached] = padding
+            padding = self._padding[cached] = host_bytes(rows, torch.int64)
         return padding
 
     def _new_views(self, bs: int, n: int) -> PaddedViews:
@@ -218,10 +228,11 @@ class StaticInputs:
                              f"{self.max_tokens} tokens (the static buffers), got {bs} requests x {n} tokens")
         whole = self.block.numel() * self.block.element_size() <= _WHOLE_BLOCK_BYTES
         width = self.block.shape[1] if whole else max(n, bs + 1)
-        return PaddedViews(width, self.block[:, :width], self.input_ids[:n], self.positions[:n],
-                           self.out_cache_loc[:n], self.req_pool_indices[:bs], self.seq_lens[:bs],
-                           self.extend_prefix_lens[:bs], self.extend_seq_lens[:bs], self.logits_indices[:bs],
-                           self.mask_indptr[: bs + 1], self.extend_indptr[: bs + 1])
+        dst = self.block.view(-1) if whole else self.block[:, :width]
+        return PaddedViews(width, dst, self.input_ids[:n], self.positions[:n], self.out_cache_loc[:n],
+                           self.req_pool_indices[:bs], self.seq_lens[:bs], self.extend_prefix_lens[:bs],
+                           self.extend_seq_lens[:bs], self.logits_indices[:bs], self.mask_indptr[: bs + 1],
+                           self.extend_indptr[: bs + 1])
 
 
 def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: int, fill: int) -> ForwardBatch:
@@ -231,27 +242,30 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     write their K/V to the dump slot 0. Ragged (extend) keys: see `_pad_extend`.
 
     The padded content is built on the host (the real batch over a copy of the key's padding,
-    `StaticInputs.padding`) and goes over in one non-blocking copy; after it, on the device, only
-    what the host lacks (`_fill_real`) and a verify's tree mask. Nothing waits for the device.
+    `StaticInputs.padding_bytes`) and goes over in one non-blocking copy; after it, on the device,
+    only what the host lacks (`_fill_real`) and a verify's tree mask. Nothing waits for the device.
+    The host block is Python bytes until its one tensor (`_HostBlock`): every torch operator costs
+    host time, and with the batch's host copies the padding makes one, the copy.
     """
     pbs = key.batch_size
     views = static.views(pbs, key.num_tokens)
-    host = static.padding(key, pad_row, fill).clone()  # fresh: see the NOTE below
-    lens = host[_SEQ:_EXTEND_INDPTR].view(torch.int32)  # [3, 2 * width]: seq_lens, prefix lens, extend lens
-    from_device = _fill_real(host, lens, batch)
+    block = _HostBlock(static.padding_bytes(key, pad_row, fill), views.width)  # fresh: see the NOTE below
+    from_device = _fill_real(block, batch)
     if key.ragged:
-        _pad_extend(host, lens, batch, key)
-    mask = _pad_verify(host, lens, batch, key) if key.mode is ForwardMode.TARGET_VERIFY else None
-    # NOTE: `host` is fresh and nothing writes it after this copy (the padded batch keeps views of it
-    # as its host copies), so the copy may complete after we return: a pageable source is staged by
-    # the copy itself.
-    views.dst.copy_(host, non_blocking=True)
+        _pad_extend(block, batch, key)
+    mask = _pad_verify(block, batch, key) if key.mode is ForwardMode.TARGET_VERIFY else None
+    # NOTE: `block` is fresh and nothing writes it after this copy (the padded batch keeps tensors
+    # over it as its host copies), so the copy may complete after we return: a pageable source is
+    # staged by the copy itself.
+    host = block.tensor()
+    views.dst.copy_(host if views.dst.dim() == 1 else host.view(_NUM_ROWS, views.width), non_blocking=True)
     for name, tensor in from_device:  # after the block copy in stream order: overwrites its zeros
         getattr(static, name)[: tensor.shape[0]].copy_(tensor)
-    view = _view(views, key, batch, lens[0, :pbs])
+    view = _view(views, key, batch, block.int32_tensor(_SEQ, pbs))
     if key.ragged or mask is not None:
         view.extend_prefix_lens, view.extend_seq_lens = views.extend_prefix_lens, views.extend_seq_lens
-        view.extend_prefix_lens_cpu, view.extend_seq_lens_cpu = lens[1, :pbs], lens[2, :pbs]
+        view.extend_prefix_lens_cpu = block.int32_tensor(_PREFIX, pbs)
+        view.extend_seq_lens_cpu = block.int32_tensor(_NEW, pbs)
     if key.ragged:
         view.logits_indices, view.extend_indptr = views.logits_indices, views.extend_indptr
     if mask is not None:
@@ -260,73 +274,121 @@ def pad_into(static: StaticInputs, batch: ForwardBatch, key: GraphKey, pad_row: 
     return view
 
 
-def _fill_real(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch) -> list[tuple[str, torch.Tensor]]:
-    """Write `batch`'s tokens, request rows and seq_lens into `host` (laid out as StaticInputs.block)
-    from its host copies (`batch.host`, `seq_lens_cpu`); returns the (static buffer, device tensor)
-    pairs to copy on the device instead: all of them for a batch without host copies (capture,
-    speculative drafts, tensor-parallel workers), the input ids when they hold placeholders that
-    the device resolved (overlap scheduling)."""
+class _HostBlock:
+    """A replay's host block, laid out as StaticInputs.block over `width` columns, as a bytearray:
+    written by Python (values as bytes, `put`), then made one tensor (`tensor`) and, for the padded
+    batch's host copies, tensors over its int32 rows (`int32_tensor`): no torch operator but the copy."""
+
+    __slots__ = ("data", "memory", "width")
+
+    def __init__(self, padding: bytes, width: int):
+        self.data = bytearray(padding)
+        self.memory = memoryview(self.data)
+        self.width = width
+
+    def put(self, row: int, values: bytes, col: int = 0, itemsize: int = 8) -> None:
+        """Row `row`'s elements of `itemsize` bytes (8: int64; 4: an int32 row) from column `col`."""
+        start = 8 * row * self.width + itemsize * col
+        if itemsize * col + len(values) > 8 * self.width:
+            raise ValueError(f"graph runner: expected at most {8 * self.width // itemsize - col} values for row "
+                             f"{row} from column {col}, got {len(values) // itemsize}")
+        self.memory[start:start + len(values)] = values
+
+    def put32(self, row: int, values: bytes, col: int = 0) -> None:
+        self.put(row, values, col, itemsize=4)
+
+    def ints32(self, row: int, count: int) -> list[int]:
+        """The first `count` int32 of row `row`."""
+        start = 8 * row * self.width
+        return self.memory[start:start + 4 * count].cast("i").tolist()
+
+    def int32_tensor(self, row: int, count: int) -> torch.Tensor:
+        """[count] int32 over the first `count` of row `row` (shares the block's memory)."""
+        return torch.frombuffer(self.data, dtype=torch.int32, count=count, offset=8 * row * self.width)
+
+    def tensor(self) -> torch.Tensor:
+        """[10 * width] int64 over the block (shares its memory)."""
+        return torch.frombuffer(self.data, dtype=torch.int64)
+
+
+def _fill_real(block: _HostBlock, batch: ForwardBatch) -> list[tuple[str, torch.Tensor]]:
+    """Write `batch`'s tokens, request rows and seq_lens into `block` from its host copies
+    (`batch.host`, `seq_lens_cpu`, read as bytes: `host_bytes`); returns the (static buffer, device
+    tensor) pairs to copy on the device instead: all of them for a batch without host copies
+    (capture, speculative drafts, tensor-parallel workers), the input ids when they hold
+    placeholders that the device resolved (overlap scheduling)."""
     n, bs = batch.num_tokens, batch.batch_size
-    lens[0, :bs] = batch.seq_lens_cpu  # the padded batch's seq_lens_cpu, whichever way the device gets them
+    block.put32(_SEQ, host_bytes(batch.seq_lens_cpu, torch.int32))  # the padded batch's seq_lens_cpu either way
     copies = batch.host
     if copies is None or copies.input_ids.shape[0] != n or copies.req_pool_indices.shape[0] != bs:
         return [("input_ids", batch.input_ids), ("positions", batch.positions), ("out_cache_loc", batch.out_cache_loc),
                 ("req_pool_indices", batch.req_pool_indices), ("seq_lens", batch.seq_lens)]
-    host[_POSITIONS, :n] = copies.positions
-    host[_SLOTS, :n] = copies.out_cache_loc
-    host[_ROWS, :bs] = copies.req_pool_indices
-    if copies.has_placeholders:
+    block.put(_POSITIONS, host_bytes(copies.positions, torch.int64))
+    block.put(_SLOTS, host_bytes(copies.out_cache_loc, torch.int64))
+    block.put(_ROWS, host_bytes(copies.req_pool_indices, torch.int64))
+    ids = host_bytes(copies.input_ids, torch.int64)
+    if not ids[_SIGN_BYTE::8].isascii():  # a sign bit set: some id is negative, a placeholder (HostBatch)
         return [("input_ids", batch.input_ids)]
-    host[_IDS, :n] = copies.input_ids
+    block.put(_IDS, ids)
     return []
 
 
 def extend_lens_cpu(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(prefix lengths, new-token lengths) of an extend batch, [batch_size] int32 host tensors."""
+    return tuple(torch.frombuffer(bytearray(lens), dtype=torch.int32) if lens else torch.zeros(0, dtype=torch.int32)
+                 for lens in _extend_lens(batch))
+
+
+def _extend_lens(batch: ForwardBatch) -> tuple[bytes, bytes]:
+    """`extend_lens_cpu` as the bytes of [batch_size] int32, from the batch's host tensors by no
+    torch operator (prefix lengths: seq_lens - new tokens when the batch has none)."""
     if batch.extend_seq_lens_cpu is None:
         raise ValueError(f"graph runner: an extend graph batch needs extend_seq_lens_cpu, got None "
                          f"({batch.forward_mode.value}, {batch.batch_size} requests)")
-    new = batch.extend_seq_lens_cpu.to(torch.int32)
+    new = host_bytes(batch.extend_seq_lens_cpu, torch.int32)
     if batch.extend_prefix_lens_cpu is not None:
-        return batch.extend_prefix_lens_cpu.to(torch.int32), new
-    return batch.seq_lens_cpu.to(torch.int32) - new, new
+        return host_bytes(batch.extend_prefix_lens_cpu, torch.int32), new
+    seq = memoryview(host_bytes(batch.seq_lens_cpu, torch.int32)).cast("i")
+    return array("i", [s - k for s, k in zip(seq, memoryview(new).cast("i"))]).tobytes(), new
 
 
-def _pad_extend(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key: GraphKey) -> None:
+def _pad_extend(block: _HostBlock, batch: ForwardBatch, key: GraphKey) -> None:
     """Pad an extend batch of bs requests and n new tokens to key.batch_size requests and
     key.token_bucket tokens: request bs (row `pad_row`, no prefix) takes the bucket's n..T tokens
     (position 0, K/V to the dump slot 0), further padded requests have none; every padded
-    request's logits row reads token 0 and is dropped at replay. Writes `host` and `lens` (see
-    `pad_into`) from the batch's host extend lengths, and the padded requests' `extend_indptr`.
+    request's logits row reads token 0 and is dropped at replay. Writes `block`'s extend lengths
+    from the batch's host ones, each real request's logits row (its last new token) and the
+    padded batch's `extend_indptr`: prefix sums in Python, a batch being a few requests.
     """
     bs, n = batch.batch_size, batch.num_tokens
     pbs, pn = key.batch_size, key.num_tokens
     if n > pn or bs > pbs or (n < pn and bs == pbs):
         raise ValueError(f"graph runner: an extend batch of {bs} requests and {n} tokens does not fit graph "
                          f"{pbs} requests x {pn} tokens (a padded request needs a slot)")
-    prefix, new = extend_lens_cpu(batch)
-    lens[1, :bs], lens[2, :bs] = prefix, new
+    prefix, new = _extend_lens(batch)
+    block.put32(_PREFIX, prefix)
+    block.put32(_NEW, new)
     if pbs > bs:  # the padded request's seq_len: its new tokens; the others' stay 0
-        lens[0, bs] = lens[2, bs] = pn - n
-    logits = host[_LOGITS, :bs]
-    torch.cumsum(new, 0, out=logits)
-    logits.sub_(1)
-    torch.cumsum(lens[2, :pbs], 0, dtype=torch.int32, out=host[_EXTEND_INDPTR].view(torch.int32)[1 : pbs + 1])
+        spare = array("i", [pn - n]).tobytes()
+        block.put32(_SEQ, spare, bs)
+        block.put32(_NEW, spare, bs)
+    ends = list(accumulate(memoryview(new).cast("i")))  # each real request's end in the tokens
+    block.put(_LOGITS, array("q", [end - 1 for end in ends]).tobytes())
+    block.put32(_EXTEND_INDPTR, array("i", ends + [pn] * (pbs - bs)).tobytes(), 1)  # [0] = 0
 
 
-def _pad_verify(host: torch.Tensor, lens: torch.Tensor, batch: ForwardBatch, key: GraphKey) -> tuple[int, int]:
-    """The verify fields of a padded batch, into `host` and `lens` (see `pad_into`): extend lengths
-    from seq_lens, and the mask's indptr with an all-visible [tokens_per_request, seq_len] block
-    for each padded request. Returns (mask entries of the real requests, of all of them)."""
+def _pad_verify(block: _HostBlock, batch: ForwardBatch, key: GraphKey) -> tuple[int, int]:
+    """The verify fields of a padded batch, into `block`: extend lengths from seq_lens, and the mask's
+    indptr with an all-visible [tokens_per_request, seq_len] block for each padded request. Returns
+    (mask entries of the real requests, of all of them)."""
     if batch.custom_mask is None:
         raise ValueError("graph runner: a TARGET_VERIFY batch needs custom_mask, got None")
     pbs, tpr = key.batch_size, key.tokens_per_request
-    seq = lens[0, :pbs]  # extend lengths: tpr, from the padding
-    torch.sub(seq, tpr, out=lens[1, :pbs])
-    indptr = host[_INDPTR, : pbs + 1]  # indptr[0] = 0
-    torch.cumsum(seq, 0, out=indptr[1:])
-    indptr.mul_(tpr)  # tpr * seq_len mask entries per request
-    return int(indptr[batch.batch_size]), int(indptr[pbs])
+    seq = block.ints32(_SEQ, pbs)  # extend lengths: tpr, from the padding
+    block.put32(_PREFIX, array("i", [s - tpr for s in seq]).tobytes())
+    ends = [0, *accumulate(tpr * s for s in seq)]  # tpr * seq_len mask entries per request
+    block.put(_INDPTR, array("q", ends).tobytes())
+    return ends[batch.batch_size], ends[pbs]
 
 
 def _copy_mask(static: StaticInputs, view: ForwardBatch, real_mask: torch.Tensor, real: int, total: int) -> None:

@@ -6,12 +6,12 @@ from array import array
 
 import torch
 
-from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
+from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch, host_bytes
 from backplane.scheduler.overlap import FutureTokens
 from backplane.scheduler.request import Req
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 
-# Up to this many new KV slots a batch packs them through Python lists, more by host tensor copies.
+# Up to this many new KV slots a batch casts them to int32 through Python ints, more by a host tensor copy.
 _SLOTS_BY_LIST = 128
 
 
@@ -19,10 +19,8 @@ def _assign_slots(reqs: list[Req], counts: list[int], kv_pool: TokenToKVPool) ->
     """Allocate counts[i] new KV slots for reqs[i]; returns them (host). The batch's single copy
     to the device then records them in req_to_token (`_make_batch`)."""
     slots = kv_pool.alloc(sum(counts))
-    start = 0
-    for req, n in zip(reqs, counts):
-        req.slots.append(slots[start:start + n])
-        start += n
+    for req, part in zip(reqs, (slots,) if len(reqs) == 1 else slots.split_with_sizes(counts)):
+        req.slots.append(part)
     return slots
 
 
@@ -73,10 +71,14 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
     A blocking host-to-device copy (`.to(device)`, `torch.tensor(..., device=...)`) synchronizes the
     stream, that is waits for the step in flight: under overlap scheduling it would serialize the
     host with the GPU again. A pageable source is staged before the copy returns, so the packed
-    tensor may be kept: its views are the batch's host copies (`batch.host`, `seq_lens_cpu`), which
-    tensor parallelism sends instead of copying the device tensors back. The int32 fields (the
-    lengths, and the slots as req_to_token stores them) are cast on the host and travel in the same
-    copy, as the int32 tail of the int64 tensor (`_pack`): no cast kernel on the device.
+    host memory may be kept: tensors over its parts are the batch's host copies (`batch.host`,
+    `seq_lens_cpu`, the extend lengths'), which tensor parallelism sends instead of copying the
+    device tensors back. The int32 fields (the lengths, and the slots as req_to_token stores them)
+    are cast on the host and travel in the same copy, as the int32 tail of the int64 tensor
+    (`_pack`): no cast kernel on the device.
+
+    Host operators are few (every one costs host time): the host copies are made over the packed
+    array's memory (`torch.frombuffer`, no operator), the device tensors are two splits of the copy.
     """
     device = req_pool.req_to_token.device
     n, bs = len(input_ids), len(reqs)
@@ -85,43 +87,55 @@ def _make_batch(mode, reqs, input_ids, positions, seq_lens, out_cache_loc, req_p
     lens = seq_lens if extend is None else seq_lens + list(prefix) + list(extend)
     # int64: [input ids | positions | KV slots | each token's request row] (n each), [rows] (bs);
     # int32: [KV slots] (n), [seq lens] (bs) and for extend [prefix lens | extend lens] (bs each)
-    host = _pack(input_ids + list(positions), out_cache_loc, token_rows + rows, lens)
+    packed = _pack(input_ids + list(positions), out_cache_loc, token_rows + rows, lens)
+    host = _part(packed, torch.int64, 0, len(packed))
     # NOTE: copy=True: on CPU too the device tensors are not the host copies (DecodeState advances
     # seq_lens and seq_lens_cpu in place, each once).
-    packed = host.to(device, non_blocking=True, copy=True)
-    host32, packed32 = host[4 * n + bs:].view(torch.int32), packed[4 * n + bs:].view(torch.int32)
-    positions_d, lens_d = packed[n:2 * n], packed32[n:]  # [seq lens | prefix lens | extend lens]
-    req_pool.req_to_token[packed[3 * n:4 * n], positions_d] = packed32[:n]
+    copy = host.to(device, non_blocking=True, copy=True)
+    ids_d, positions_d, slots_d, token_rows_d, rows_d, tail_d = copy.split_with_sizes(
+        [n, n, n, n, bs, len(packed) - 4 * n - bs])
+    k = 1 if extend is None else 3  # int32 length vectors: seq lens (and prefix, extend lens)
+    slots32_d, *lens_d, _ = tail_d.view(torch.int32).split_with_sizes([n] + [bs] * k + [(n + k * bs) % 2])
+    req_pool.req_to_token.index_put_((token_rows_d, positions_d), slots32_d)
+    lens_at = 8 * (4 * n + bs) + 4 * n  # byte offset of the int32 seq lens (then prefix, extend lens)
     batch = ForwardBatch(
-        forward_mode=mode, batch_size=bs, input_ids=packed[:n], positions=positions_d,
-        req_pool_indices=packed[4 * n:4 * n + bs], seq_lens=lens_d[:bs],
-        seq_lens_cpu=host32[n:n + bs], out_cache_loc=packed[2 * n:3 * n],
+        forward_mode=mode, batch_size=bs, input_ids=ids_d, positions=positions_d, req_pool_indices=rows_d,
+        seq_lens=lens_d[0], seq_lens_cpu=_part(packed, torch.int32, lens_at, bs), out_cache_loc=slots_d,
         req_to_token_pool=req_pool, token_to_kv_pool=kv_pool,
-        host=HostBatch(input_ids=host[:n], positions=host[n:2 * n], out_cache_loc=host[2 * n:3 * n],
-                       req_pool_indices=host[4 * n:4 * n + bs]),
+        host=HostBatch(input_ids=_part(packed, torch.int64, 0, n), positions=_part(packed, torch.int64, 8 * n, n),
+                       out_cache_loc=_part(packed, torch.int64, 16 * n, n),
+                       req_pool_indices=_part(packed, torch.int64, 32 * n, bs)),
     )
-    if extend is not None:  # their device copies are views of the packed one
-        batch.set_extend_lens(prefix, extend, on_device=(lens_d[bs:2 * bs], lens_d[2 * bs:3 * bs]))
+    if extend is not None:  # their device copies are parts of the packed one
+        batch.extend_prefix_lens, batch.extend_seq_lens = lens_d[1], lens_d[2]
+        batch.extend_prefix_lens_cpu = _part(packed, torch.int32, lens_at + 4 * bs, bs)
+        batch.extend_seq_lens_cpu = _part(packed, torch.int32, lens_at + 8 * bs, bs)
     return batch
 
 
-def _pack(head: list[int], slots: torch.Tensor, tail: list[int], lens: list[int]) -> torch.Tensor:
-    """One int64 host tensor: [head | slots | tail], then the int32 [slots | lens] two to an element
+def _part(packed: array, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    """[count] `dtype` over `packed`'s memory from byte `offset` (no copy, no torch operator): a
+    storage of its own size, so that tensor parallelism pickles only its bytes."""
+    if not count:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(packed, dtype=dtype, count=count, offset=offset)
+
+
+def _pack(head: list[int], slots: torch.Tensor, tail: list[int], lens: list[int]) -> array:
+    """One int64 array: [head | slots | tail], then the int32 [slots | lens] two to an element
     (a zero appended to an odd count). Built through an array: about 3x faster than torch.tensor
-    from lists (a 512-token prompt in ~30 instead of ~110 us); many slots go in by two host copies
-    of their tensor rather than through lists (4 us, against ~25 ns a slot)."""
+    from lists (a 512-token prompt in ~30 instead of ~110 us). The slots' int64 values are their
+    tensor's bytes (`host_bytes`, no torch operator); their int32 ones go through Python ints (~25 ns
+    a slot) up to _SLOTS_BY_LIST slots, beyond by one torch cast copy on the host."""
     n, pad = slots.shape[0], [0] * ((slots.shape[0] + len(lens)) % 2)
-    if n <= _SLOTS_BY_LIST:
-        values = slots.tolist()
-        packed = array("q", head + values + tail)
-        packed.frombytes(array("i", values + lens + pad).tobytes())
-        return torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
+    raw = host_bytes(slots, torch.int64)
     packed = array("q", head)
-    packed.frombytes(bytes(8 * n))
+    packed.frombytes(raw)
     packed.extend(tail)
+    if n <= _SLOTS_BY_LIST:
+        packed.frombytes(array("i", memoryview(raw).cast("q").tolist() + lens + pad).tobytes())
+        return packed
     k = len(packed)
     packed.frombytes(bytes(4 * n) + array("i", lens + pad).tobytes())
-    host = torch.frombuffer(packed, dtype=torch.int64)
-    host[len(head):len(head) + n].copy_(slots)
-    host[k:].view(torch.int32)[:n].copy_(slots)
-    return host
+    torch.frombuffer(packed, dtype=torch.int32, count=n, offset=8 * k).copy_(slots)
+    return packed
