@@ -243,7 +243,7 @@ def test_a_padded_batch_keeps_its_host_values_after_the_next_padding():
 
 # Operators of pad_into on CPU (the copy is the device's one; a strided destination adds a view of
 # the host block; a verify its mask's copy, fill and views; placeholders the ids' device copy).
-# Before: 23 (decode), 45 (extend), 53 (padded extend), 58 (verify), 26 (placeholders), 28 (strided).
+# Before: 45, 53, 23, 23, 22 and 48 (in PAD_BOUNDS order), 53 into the strided block.
 PAD_BOUNDS = [
     ("extend-128", Spec(EXTEND, [0], [128], [1]), GraphKey(EXTEND, 1, 0, token_bucket=128), {}, 1),
     ("extend-padded", Spec(EXTEND, [5, 0], [100, 20], [1, 2]), GraphKey(EXTEND, 4, 0, token_bucket=128), {}, 1),
