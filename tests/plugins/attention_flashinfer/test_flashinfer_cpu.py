@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import importlib.util
-import dataclasses
 import math
 import os
 import subprocess
 import sys
 import types
+import typing
 
 import pytest
 import torch
@@ -631,8 +631,7 @@ def test_short_replan_is_used_only_where_it_equals_plan(fake_flashinfer, monkeyp
     assert wrappers.DECODE in {role for role, _ in cache._wrappers}
 
 
-@dataclasses.dataclass(frozen=True)
-class _BucketKey:  # what the backend reads of the graph runner's key: an EXTEND graph's is ragged
+class _BucketKey(typing.NamedTuple):  # what the backend reads of a graph key: an EXTEND graph's is ragged
     name: str
     ragged: bool = True
 
