@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-graph", nargs="+", choices=["on", "off"], default=["on"],
                    help="extend (prefill) CUDA graphs on or off (--disable-extend-graph), each an engine")
     p.add_argument("--quantization", nargs="+", default=["none"], help="--quantization of each engine (none, fp8, ...)")
+    p.add_argument("--gc-freeze", choices=["on", "off"], default="on",
+                   help="the engines' --gc-freeze: an offline job runs one engine until it ends, as a serving "
+                        "process does (a full collection of the unfrozen startup heap is ~0.1 s)")
     p.add_argument("--workloads", nargs="+", default=["fixed", "sharegpt-like"],
                    choices=["fixed", "sharegpt-like", "shared-prefix", "distinct"])
     p.add_argument("--requests", type=int, default=256)
@@ -173,10 +176,11 @@ def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float, ex
     # eagerly, which on a small model costs several times the replayed step.
     settings = dict(model=ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
                     cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off",
-                    disable_extend_graph=extend_graph == "off", quantization=quantization)
+                    disable_extend_graph=extend_graph == "off", quantization=quantization,
+                    gc_freeze=ns.gc_freeze == "on")
     rows = steps.with_engine(settings, lambda engine: [run_workload(ns, engine, kind, tb_s) for kind in ns.workloads])
-    return [r | {"backend": backend, "cache": cache, "extend_graph": extend_graph, "quantization": quantization}
-            for r in rows]
+    return [r | {"backend": backend, "cache": cache, "extend_graph": extend_graph, "quantization": quantization,
+                 "gc_freeze": ns.gc_freeze} for r in rows]
 
 
 class StepTags:

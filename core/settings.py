@@ -118,6 +118,10 @@ class EngineArgs(BaseSettings):
     max_running_requests: int | None = Field(None, ge=1, description="requests decoded at once")
     chunked_prefill_size: int = Field(8192, ge=1, description="max new tokens in one prefill batch")
     disable_radix_cache: bool = Field(False, description="do not reuse the KV of shared prompt prefixes")
+    gc_freeze: bool = Field(
+        False, description="after startup, move every live object to the garbage collector's permanent "
+        "generation (gc.freeze): full collections then skip them (~0.1 s each otherwise); for a process that "
+        "runs this engine until shutdown(), which unfreezes (backplane serve's processes always freeze)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="logging")
     # Plugin option groups, filled from --<group>.<option> and BACKPLANE_<GROUP>__<OPTION>.
     plugin_options: dict[str, Any] = Field(default_factory=dict, exclude=True)

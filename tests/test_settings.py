@@ -53,6 +53,7 @@ SAMPLES = {
     "max_running_requests": (["12"], "12", 12),
     "chunked_prefill_size": (["256"], "256", 256),
     "disable_radix_cache": ([], "1", True),
+    "gc_freeze": ([], "1", True),
     "log_level": (["info"], "info", "info"),
 }
 

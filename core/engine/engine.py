@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -71,6 +72,11 @@ class Engine:
         self.pid = os.getpid()
         self.driver: str | None = None  # what else runs the scheduler (an AsyncEngine's thread), if anything
         self._dead: str | None = None
+        self.gc_frozen = 0  # objects moved to the garbage collector's permanent generation (--gc-freeze)
+        if self.args.gc_freeze:
+            from backplane.engine.engine_process import freeze_startup_heap
+
+            self.gc_frozen = freeze_startup_heap()
 
     def _check_model_and_threads(self) -> str | None:
         """Refuse a --tp-size the model's heads do not divide, in one line, before any worker starts;
@@ -150,6 +156,9 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit); the engine is unusable after."""
         self._dead = "the engine was shut down"
+        if getattr(self, "gc_frozen", 0):  # --gc-freeze: its objects (and all frozen since) collectable again
+            self.gc_frozen = 0
+            gc.unfreeze()
         tp = getattr(self, "tp", None)
         if tp is not None:
             tp.shutdown()

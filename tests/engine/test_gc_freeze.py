@@ -42,3 +42,44 @@ def test_a_collection_before_the_freeze_frees_startup_garbage(unfrozen):
     del a, b
     freeze_startup_heap()
     assert ref() is None, "garbage left before the freeze would be frozen forever"
+
+
+def test_an_engine_with_gc_freeze_freezes_its_startup_and_shutdown_unfreezes(unfrozen):
+    """--gc-freeze (off by default for a library caller): the engine and what startup left alive are
+    frozen; generate still works and its later garbage cycles are collected; shutdown() unfreezes, so a
+    dropped engine can be collected."""
+    from backplane import Engine, SamplingParams
+
+    plain = Engine("tiny-llama", device="cpu")
+    assert plain.gc_frozen == 0 and gc.get_freeze_count() == 0
+    plain.shutdown()
+    engine = Engine("tiny-llama", device="cpu", gc_freeze=True)
+    assert engine.gc_frozen > 10_000 and gc.get_freeze_count() > 10_000
+    assert not any(obj is engine for obj in gc.get_objects(generation=2))  # frozen: not scanned
+    out = engine.generate(input_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_new_tokens=3, temperature=0))
+    assert len(out[0].token_ids) == 3
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    ref = weakref.ref(a)
+    del a, b
+    gc.collect()
+    assert ref() is None, "a garbage cycle allocated after the freeze was not collected"
+    ref = weakref.ref(engine.scheduler)
+    engine.shutdown()
+    assert engine.gc_frozen == 0 and gc.get_freeze_count() == 0
+    del engine
+    gc.collect()
+    assert ref() is None, "a shut-down engine's scheduler was not collected"
+
+
+def test_a_new_freeze_collects_an_engine_dropped_while_frozen(unfrozen):
+    """An engine dropped without shutdown() while frozen is collected at the next engine's freeze."""
+    from backplane import Engine
+
+    first = Engine("tiny-llama", device="cpu", gc_freeze=True)
+    ref = weakref.ref(first.scheduler)
+    del first
+    gc.collect()
+    second = Engine("tiny-llama", device="cpu", gc_freeze=True)
+    assert ref() is None, "the dropped frozen engine survived the next freeze"
+    second.shutdown()
