@@ -262,9 +262,18 @@ def launched(prof, windows: list[tuple[float, float]]) -> tuple[list[dict[str, f
     record_function range innermost around its launch, through the profiler's correlation ids;
     a CUDA graph's kernels link to the range around the replay); those linked to no window: the second value."""
     events = prof.events()
-    starts = {e.id: e.time_range.start for e in events if not on_device(e) and not e.linked_correlation_id}
     per: list[dict[str, float]] = [collections.defaultdict(float) for _ in windows]
     outside: dict[str, float] = collections.defaultdict(float)
+    if events and not hasattr(events[0], "linked_correlation_id"):
+        # NOTE: torch before 2.13 (the GPU machine's 2.11) links no device event to its host event in
+        # events(); it lists each host event's kernels on it instead (FunctionEvent.kernels).
+        for e in events:
+            if not on_device(e):
+                i = window_index(windows, e.time_range.start)
+                for k in getattr(e, "kernels", ()):
+                    (outside if i is None else per[i])[kernel_group(k.name)] += k.duration
+        return [dict(d) for d in per], dict(outside)
+    starts = {e.id: e.time_range.start for e in events if not on_device(e) and not e.linked_correlation_id}
     for e in events:
         if on_device(e):
             i = window_index(windows, starts.get(e.linked_correlation_id) if e.linked_correlation_id else None)

@@ -222,3 +222,19 @@ def test_a_profiled_requests_own_range_is_not_device_work():
     assert split["device_idle_ms"] == pytest.approx(0.4)  # 300..700
     assert split["lead_ms"] == pytest.approx(0.2) and split["tail_ms"] == pytest.approx(0.1)
     assert steps.REQUEST not in dict((name, ms) for name, ms, _ in split["top_kernels"])
+
+
+def test_kernels_go_to_the_window_of_their_host_event_where_torch_links_none():
+    """torch before 2.13 (the GPU machine's 2.11) has no FunctionEvent.linked_correlation_id: the
+    kernels are listed on their host event (FunctionEvent.kernels) and go to that event's window."""
+    from bench import timing
+
+    def host(start, *kernels):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start), device_type=DeviceType.CPU,
+                               kernels=[SimpleNamespace(name=n, duration=d) for n, d in kernels])
+
+    gemm, attn = "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "_decode_split_kernel"
+    events = [host(10, (gemm, 30.0), (attn, 20.0)), host(110, (attn, 25.0)), host(300, ("vectorized_elementwise_kernel", 5.0)),
+              SimpleNamespace(time_range=SimpleNamespace(start=40), device_type=DeviceType.CUDA)]  # a device event: counted once, on its host event
+    per, outside = timing.launched(SimpleNamespace(events=lambda: events), [(0, 100), (100, 200)])
+    assert per == [{"gemm": 30.0, "attention": 20.0}, {"attention": 25.0}] and outside == {"other": 5.0}
