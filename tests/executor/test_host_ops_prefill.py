@@ -16,13 +16,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backplane import SamplingParams
 from backplane.contracts.batch import ForwardMode
 from backplane.contracts.graph import GraphKey
-from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
 from backplane.executor.graph_runner import StaticInputs, pad_into
 from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
-from backplane.scheduler.request import Req
+from helpers_scheduler import cpu_pools, placed_reqs
 from test_replay_inputs import PAD_ROW, Spec, garbage_static
 
 EXTEND, DECODE, VERIFY = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
@@ -51,29 +49,22 @@ def test_the_counter_counts_host_views_and_copies():
 # -- the batch builder ----------------------------------------------------------------------------
 
 def _pools():
-    return ReqToTokenPool(16, 1024, "cpu"), TokenToKVPool(4096, 1, 1, 8, torch.float32, "cpu")
-
-
-def _reqs(req_pool, prompts, cached):
-    reqs = [Req(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
-    for req, n in zip(reqs, cached):
-        req.row, req.num_cached = req_pool.alloc(), n
-    return reqs
+    return cpu_pools(16, 1024, 4096)
 
 
 def _build(kind, req_pool, kv_pool):
     """(requests, the batch of `kind`) as the launcher builds it (a cached prompt's last token: DECODE)."""
     if kind.startswith("extend"):
         lens = [int(k) for k in kind.split("-")[1:]]
-        reqs = _reqs(req_pool, [list(range(1, k + 1)) for k in lens], [0] * len(lens))
+        reqs = placed_reqs(req_pool, [list(range(1, k + 1)) for k in lens], [0] * len(lens))
         return reqs, build_extend_batch(reqs, lens, kv_pool, req_pool)
     if kind == "cached-511":
-        reqs = _reqs(req_pool, [list(range(1, 513))], [511])
+        reqs = placed_reqs(req_pool, [list(range(1, 513))], [511])
         batch = build_decode_batch(reqs, kv_pool, req_pool)
         batch.host.prefix_parts = [(req.slots, req.num_cached) for req in reqs]
         return reqs, batch
     bs = int(kind.split("-")[1])
-    reqs = _reqs(req_pool, [list(range(1, 40))] * bs, [38] * bs)
+    reqs = placed_reqs(req_pool, [list(range(1, 40))] * bs, [38] * bs)
     return reqs, build_decode_batch(reqs, kv_pool, req_pool)
 
 
@@ -101,7 +92,7 @@ def _random_batch(rng, req_pool, kv_pool, decode):
     bs = rng.randrange(1, 6)
     prompts = [[rng.randrange(1, 30000) for _ in range(rng.randrange(2, 200))] for _ in range(bs)]
     prefix = [len(p) - 1 if decode else rng.randrange(0, len(p)) for p in prompts]
-    reqs = _reqs(req_pool, prompts, [0] * bs)
+    reqs = placed_reqs(req_pool, prompts, [0] * bs)
     with_prefix = [(r, p) for r, p in zip(reqs, prefix) if p]
     if with_prefix:
         build_extend_batch([r for r, _ in with_prefix], [p for _, p in with_prefix], kv_pool, req_pool)

@@ -16,7 +16,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from backplane import SamplingParams
 from backplane.contracts.batch import ForwardBatch, ForwardMode, HostBatch
 from backplane.contracts.graph import GraphKey
 from backplane.contracts.memory import ReqToTokenPool, TokenToKVPool
@@ -25,7 +24,7 @@ from backplane.plugins.attention_triton.graph import GraphBuffers
 from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
 from backplane.scheduler.decode_state import DecodeState
 from backplane.scheduler.overlap import FutureTokens
-from backplane.scheduler.request import Req
+from helpers_scheduler import cpu_pools, placed_reqs
 
 PAD_ROW = 9
 EXTEND, DECODE, VERIFY = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
@@ -212,19 +211,12 @@ def test_a_key_larger_than_the_static_buffers_is_refused():
 # -- batches of the scheduler --------------------------------------------------------------------
 
 def _pools():
-    return ReqToTokenPool(10, 64, "cpu"), TokenToKVPool(256, 1, 1, 8, torch.float32, "cpu")
-
-
-def _reqs(req_pool, prompts, cached):
-    reqs = [Req(i, list(p), SamplingParams()) for i, p in enumerate(prompts)]
-    for req, n in zip(reqs, cached):
-        req.row, req.num_cached = req_pool.alloc(), n
-    return reqs
+    return cpu_pools(10, 64, 256)
 
 
 def test_builder_extend_batch_over_a_prefix():
     req_pool, kv_pool = _pools()
-    reqs = _reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4]], [0, 0])
+    reqs = placed_reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4]], [0, 0])
     first = build_extend_batch(reqs[:1], [3], kv_pool, req_pool)  # the first 3 tokens of request 0
     reqs[0].num_cached = 3
     batch = build_extend_batch(reqs, [2, 2], kv_pool, req_pool)  # 2 more over a prefix of 3; request 1 whole
@@ -240,7 +232,7 @@ def test_decode_state_batches_under_overlap():
     """DecodeState's batches: rebuilt from host lists with placeholders resolved on the device, then
     advanced in place (host ids all in flight, the device's are the sampled tokens)."""
     req_pool, kv_pool = _pools()
-    reqs = _reqs(req_pool, [[5, 6, 7], [3, 4, 8]], [3, 3])
+    reqs = placed_reqs(req_pool, [[5, 6, 7], [3, 4, 8]], [3, 3])
     future = FutureTokens(4, "cpu")
     future.store(reqs, torch.tensor([41, 42]))
     state = DecodeState(kv_pool, req_pool, future)
@@ -262,7 +254,7 @@ def test_decode_state_batches_under_overlap():
 
 def test_builder_decode_batch():
     req_pool, kv_pool = _pools()
-    reqs = _reqs(req_pool, [[5, 6, 7], [3, 4, 8, 2], [1]], [2, 3, 0])
+    reqs = placed_reqs(req_pool, [[5, 6, 7], [3, 4, 8, 2], [1]], [2, 3, 0])
     batch = build_decode_batch(reqs, kv_pool, req_pool)
     spec = Spec(DECODE, [2, 3, 0], [1, 1, 1], [r.row for r in reqs], ids=[7, 2, 1])
     spec.slots = batch.host.out_cache_loc.tolist()
@@ -276,7 +268,7 @@ def test_builder_device_tensors(mode):
     dtypes of the ForwardBatch contract, req_to_token written, and seq_lens apart from seq_lens_cpu
     (DecodeState advances both in place)."""
     req_pool, kv_pool = _pools()
-    reqs = _reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4, 2]], [2, 1] if mode is DECODE else [0, 0])
+    reqs = placed_reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4, 2]], [2, 1] if mode is DECODE else [0, 0])
     if mode is EXTEND:
         build_extend_batch(reqs[:1], [3], kv_pool, req_pool)
         reqs[0].num_cached = 3
@@ -309,7 +301,7 @@ def test_builder_device_tensors(mode):
 def test_builder_long_prefill_packs_its_slots_alike():
     """More slots than the builder packs through lists (host tensor copies instead): same contract."""
     req_pool, kv_pool = ReqToTokenPool(4, 512, "cpu"), TokenToKVPool(1024, 1, 1, 8, torch.float32, "cpu")
-    reqs = _reqs(req_pool, [list(range(7, 307)), [3, 4, 2]], [0, 0])
+    reqs = placed_reqs(req_pool, [list(range(7, 307)), [3, 4, 2]], [0, 0])
     kv_pool.alloc(5)  # the slots are not 1, 2, ...
     batch = build_extend_batch(reqs, [300, 3], kv_pool, req_pool)
     slots = batch.host.out_cache_loc.tolist()
@@ -329,7 +321,7 @@ def test_device_operations_of_a_built_batch(mode):
     """The batch builder: one copy of the packed host tensor (the int32 fields cast on the host) and
     one scatter into req_to_token; before, two more (casts of the lengths and slots on the device)."""
     req_pool, kv_pool = ReqToTokenPool(10, 64, "meta"), TokenToKVPool(256, 1, 1, 8, torch.float32, "meta")
-    reqs = _reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4, 2]], [3, 1])
+    reqs = placed_reqs(req_pool, [[5, 6, 7, 8, 9], [3, 4, 2]], [3, 1])
     with DeviceOps() as ops:
         if mode is EXTEND:
             batch = build_extend_batch(reqs, [2, 2], kv_pool, req_pool)

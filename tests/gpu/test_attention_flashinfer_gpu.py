@@ -211,6 +211,21 @@ def test_softcap_and_window_layers(mode, seq_lens, new_lens):
 # -- CUDA graphs -----------------------------------------------------------------------------------
 
 
+def _capture(backend, key, static, layer, q, k, v) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One layer's attention over `static` captured in a CUDA graph under `key`, after a warm-up
+    forward on a side stream (it learns the layer config and plans it); (graph, its output)."""
+    backend.init_metadata_for_capture(key, static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: learns the layer config, plans it
+        backend.forward(q, k, v, layer, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, layer, static)
+    return graph, out
+
+
 def _capture_and_replay(mode, capture_lens, replay_lens, tokens_per_request, mask):
     """Capture one layer in a real CUDA graph, replay it for other lengths, compare with eager + reference."""
     torch.manual_seed(3)
@@ -224,15 +239,7 @@ def _capture_and_replay(mode, capture_lens, replay_lens, tokens_per_request, mas
     static = make_batch(pools, mode, capture_lens, new, mask)
     num_tokens = bs * tokens_per_request
     q, k, v = (torch.randn(num_tokens, h, 128, dtype=dtype, device="cuda") for h in (num_heads, hkv, hkv))
-    backend.init_metadata_for_capture("key", static)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: learns the layer config, plans it
-        backend.forward(q, k, v, layer, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, layer, static)
+    graph, out = _capture(backend, "key", static, layer, q, k, v)
     for lens in (replay_lens, capture_lens):
         fresh = make_batch(pools, mode, lens, new, mask)
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
@@ -270,15 +277,7 @@ def test_extend_graph_replay_equals_eager_by_the_short_paged_replan():
     key = _Bucket(64)
     static = make_batch(pools, E, [24, 340], [24, 40])
     q, k, v = (torch.randn(64, h, 128, dtype=dtype, device="cuda") for h in (num_heads, hkv, hkv))
-    backend.init_metadata_for_capture(key, static)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: learns the layer config, plans it
-        backend.forward(q, k, v, layer, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, layer, static)
+    graph, out = _capture(backend, key, static, layer, q, k, v)
     for seq_lens, new_lens in (([9, 700], [9, 55]), ([130, 5], [60, 4]), ([24, 340], [24, 40])):
         fresh = make_batch(pools, E, seq_lens, new_lens)
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens",
