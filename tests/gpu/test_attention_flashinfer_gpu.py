@@ -226,6 +226,18 @@ def _capture(backend, key, static, layer, q, k, v) -> tuple[torch.cuda.CUDAGraph
     return graph, out
 
 
+def _replay_equals_eager(backend, key, replay, fresh, graph, out, layer, q, k, v) -> None:
+    """Replay `graph` for `replay` (the static batch with `fresh`'s host lengths) and compare its output
+    with an eager forward over `fresh` and with the reference."""
+    backend.init_metadata_for_replay(key, replay)
+    graph.replay()
+    replayed = out.clone()
+    backend.init_forward_metadata(fresh)
+    eager = backend.forward(q, k, v, layer, fresh)
+    torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(replayed, reference_attention(q, layer, fresh), **TOL[q.dtype])
+
+
 def _capture_and_replay(mode, capture_lens, replay_lens, tokens_per_request, mask):
     """Capture one layer in a real CUDA graph, replay it for other lengths, compare with eager + reference."""
     torch.manual_seed(3)
@@ -247,13 +259,7 @@ def _capture_and_replay(mode, capture_lens, replay_lens, tokens_per_request, mas
         for t in (q, k, v):
             t.normal_()
         replay = dataclasses.replace(static, seq_lens_cpu=fresh.seq_lens_cpu, custom_mask=fresh.custom_mask)
-        backend.init_metadata_for_replay("key", replay)
-        graph.replay()
-        replayed = out.clone()
-        backend.init_forward_metadata(fresh)
-        eager = backend.forward(q, k, v, layer, fresh)
-        torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(replayed, reference_attention(q, layer, fresh), **TOL[dtype])
+        _replay_equals_eager(backend, "key", replay, fresh, graph, out, layer, q, k, v)
     if mode is D:  # both replays re-planned by the short road (it matched plan() at capture)
         assert backend._graph_caches["key"].fast_replans == 2
 
@@ -288,13 +294,7 @@ def test_extend_graph_replay_equals_eager_by_the_short_paged_replan():
         replay = dataclasses.replace(static, seq_lens_cpu=fresh.seq_lens_cpu,
                                      extend_prefix_lens_cpu=fresh.extend_prefix_lens_cpu,
                                      extend_seq_lens_cpu=fresh.extend_seq_lens_cpu)
-        backend.init_metadata_for_replay(key, replay)
-        graph.replay()
-        replayed = out.clone()
-        backend.init_forward_metadata(fresh)
-        eager = backend.forward(q, k, v, layer, fresh)
-        torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(replayed, reference_attention(q, layer, fresh), **TOL[dtype])
+        _replay_equals_eager(backend, key, replay, fresh, graph, out, layer, q, k, v)
     assert backend._graph_caches[key].fast_replans == 3
 
 
