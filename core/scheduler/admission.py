@@ -43,18 +43,22 @@ def refusal(req: Req, *, context_len: int, num_kv_slots: int, spare_slots: int, 
 
 
 def admit_prefill(queues: RequestQueues, participants: Sequence[SchedulerParticipant], *, token_budget: int,
-                  max_running: int, decode_slots_per_request: int) -> tuple[list[Req], list[int]] | None:
+                  max_running: int, decode_slots_per_request: int,
+                  prefilling: list[Req] | None = None) -> tuple[list[Req], list[int]] | None:
     """This step's prefill batch (the requests, and the tokens each prefills), its new requests
-    admitted and the KV room for it made; None when nothing can prefill (limits: `PrefillAdder`)."""
-    mid_prompt = [r for r in queues.running if r.needs_prefill]
-    if not mid_prompt and not queues.waiting:
+    admitted and the KV room for it made; None when nothing can prefill (limits: `PrefillAdder`).
+
+    prefilling: `mid_prompt(queues.running)` when the caller has it already (else computed here).
+    """
+    mid = prefilling if prefilling is not None else mid_prompt(queues.running)
+    if not mid and not queues.waiting:
         return None  # every decode step: nothing to consider
     cache = queues.prefix_cache
     adder = PrefillAdder(cache, queues.running, participants, token_budget=token_budget, max_running=max_running,
                          decode_slots_per_request=decode_slots_per_request, isolated=queues.isolated,
-                         shares_prompts=len(mid_prompt) + len(queues.waiting) > 1)
+                         shares_prompts=len(mid) + len(queues.waiting) > 1)
     waiting = cache.admission_order(queues.waiting) if adder.may_admit() else list(queues.waiting)
-    for req in mid_prompt + waiting:
+    for req in mid + waiting:
         if not adder.add(req):
             break
     if not adder.reqs:
@@ -124,12 +128,27 @@ class PrefillAdder:
         return all(p.can_admit(req, batch_mates) for p in self.participants)
 
 
-def ready_for_decode(running: list[Req], in_flight: LaunchedStep | None) -> list[Req]:
+def mid_prompt(running: list[Req]) -> list[Req]:
+    """The running requests still prefilling their prompt (or, recomputed, their output so far)."""
+    return [r for r in running if r.needs_prefill]
+
+
+def ready_for_decode(running: list[Req], in_flight: LaunchedStep | None,
+                     prefilling: list[Req] | None = None) -> list[Req]:
     """Running requests that can decode. Under overlap (`in_flight`: the step whose tokens are not
     read yet), one whose token in flight is its last (max_new_tokens reached) is left out: it
-    finishes when that step is read, and a step for it would only be thrown away."""
-    ready = [r for r in running if not r.needs_prefill]
+    finishes when that step is read, and a step for it would only be thrown away.
+
+    prefilling: `mid_prompt(running)` when the caller has it already (else computed here).
+    """
+    if prefilling is None:
+        ready = [r for r in running if not r.needs_prefill]
+    elif prefilling:
+        ids = {id(r) for r in prefilling}
+        ready = [r for r in running if id(r) not in ids]
+    else:  # NOTE: the usual case: every running request decodes, no test per request
+        ready = list(running)
     if in_flight is None:
         return ready
     last = {id(r) for r in in_flight.reqs if r.next_token_is_last}
-    return [r for r in ready if id(r) not in last]
+    return [r for r in ready if id(r) not in last] if last else ready

@@ -15,6 +15,7 @@ The loop itself is `Scheduler.step`: launch the next batch, then read the previo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,8 +99,9 @@ class LaunchedStep:
         event.record()
         return cls(reqs, host_tokens, host_logprobs, event)
 
-    def new_tokens(self) -> list[tuple[list[int], list[float]]]:
-        """Wait for the copy; per request its new token ids and their log-probabilities."""
+    def new_tokens(self) -> Sequence[tuple[list[int], list[float]]]:
+        """Wait for the copy; per request its new token ids and their log-probabilities (a `OneEach`
+        when each request has one)."""
         if self.known is not None:
             return self.known
         self.event.synchronize()
@@ -145,6 +147,37 @@ def copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor, pin_memory: bool
     return host_tokens, host_logprobs
 
 
-def _one_each(tokens: list[int], logprobs: list[float]) -> list[tuple[list[int], list[float]]]:
+def _one_each(tokens: list[int], logprobs: list[float]) -> OneEach:
     """Per request, its one new token and log-probability."""
-    return [([t], [lp]) for t, lp in zip(tokens, logprobs)]
+    return OneEach(tokens, logprobs)
+
+
+class OneEach(Sequence):
+    """A plain decode step's new tokens: per request ([token], [log-probability]), as `new_tokens`
+    returns them, kept as the two flat lists (`tokens`, `logprobs`) the host read. A reader of a
+    large batch (`Scheduler._advance`) takes them directly instead of one pair of lists per request."""
+
+    __slots__ = ("tokens", "logprobs")
+
+    def __init__(self, tokens: list[int], logprobs: list[float]):
+        assert len(tokens) == len(logprobs), f"OneEach: {len(tokens)} tokens but {len(logprobs)} log-probabilities"
+        self.tokens, self.logprobs = tokens, logprobs
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(zip(([t] for t in self.tokens[i]), ([lp] for lp in self.logprobs[i])))
+        return [self.tokens[i]], [self.logprobs[i]]
+
+    def __iter__(self):
+        return zip(([t] for t in self.tokens), ([lp] for lp in self.logprobs))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, OneEach)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"OneEach({list(self)!r})"

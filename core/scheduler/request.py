@@ -80,7 +80,8 @@ class Req:
     @property
     def needs_prefill(self) -> bool:
         """True until every token but the last generated one has its KV in the pool."""
-        return self.num_cached < self.num_tokens - (1 if self.output_ids else 0)
+        output_ids = self.output_ids  # NOTE: num_tokens inlined: read for every running request every step
+        return self.num_cached < len(self.prompt_ids) + len(output_ids) - (1 if output_ids else 0)
 
     def abort(self, message: str) -> None:
         self.finish_reason = FinishReason.ABORT

@@ -15,19 +15,19 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from backplane.config import SchedulerConfig
 from backplane.contracts.protocols import SchedulerParticipant
-from backplane.scheduler.admission import admit_prefill, ready_for_decode, refusal
+from backplane.scheduler.admission import admit_prefill, mid_prompt, ready_for_decode, refusal
 from backplane.scheduler.launcher import BatchLauncher
-from backplane.scheduler.overlap import FutureTokens, LaunchedStep
+from backplane.scheduler.overlap import FutureTokens, LaunchedStep, OneEach
 from backplane.scheduler.prefix_cache import PrefixCache
 from backplane.scheduler.queues import RequestQueues
 from backplane.scheduler.request import Req
-from backplane.scheduler.stopping import append_tokens
+from backplane.scheduler.stopping import append_token, append_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +164,13 @@ class Scheduler:
     def launch_step(self) -> LaunchedStep | None:
         """Schedule and launch one batch; None when nothing ran or nothing was sampled."""
         self.current = []
+        prefilling = mid_prompt(self.queues.running)  # NOTE: once per step, for admission and decode
         prefill = admit_prefill(self.queues, self.participants, token_budget=self.chunk_size, max_running=self.max_running,
-                                decode_slots_per_request=self.decode_slots_per_request)
+                                decode_slots_per_request=self.decode_slots_per_request, prefilling=prefilling)
         if prefill:
             self.current = prefill[0]
             return self._run_prefill(*prefill)
-        self.current = self._schedule_decode()
+        self.current = self._schedule_decode(prefilling)
         return self._run_decode(self.current) if self.current else None
 
     def _run_prefill(self, reqs: list[Req], chunks: list[int]) -> LaunchedStep | None:
@@ -183,9 +184,11 @@ class Scheduler:
         """One decode step (tests/gpu/test_overlap_gpu.py wraps it: it must never synchronize)."""
         return self.launcher.decode(reqs)
 
-    def _schedule_decode(self) -> list[Req]:
-        """The running requests that decode this step, preempting the newest while KV is short."""
-        ready = ready_for_decode(self.running, self.pending)
+    def _schedule_decode(self, prefilling: list[Req] | None = None) -> list[Req]:
+        """The running requests that decode this step, preempting the newest while KV is short.
+
+        prefilling: the running requests mid-prompt (`mid_prompt`), when the caller has them."""
+        ready = ready_for_decode(self.running, self.pending, prefilling)
         if not ready:
             return []
         need = self.decode_slots_per_request * len(ready)
@@ -198,7 +201,10 @@ class Scheduler:
             logger.info("preempting request %d (KV pool full); it will be recomputed", victim.rid)
             self.queues.preempt(victim, keep=True)
         self.prefix_cache.make_room(self.decode_slots_per_request * len(ready))
-        alone = [r for r in ready if r.rid in self.isolated]
+        isolated = self.isolated
+        if not isolated:
+            return ready
+        alone = [r for r in ready if r.rid in isolated]
         return alone[:1] or ready
 
     def _finish_ahead(self, reqs: list[Req]) -> None:
@@ -217,8 +223,8 @@ class Scheduler:
         """
         if self.spec_worker is not None:
             return
-        for req in reqs:
-            if req.row is not None and not req.finished and req.next_token_is_last and req.num_tokens == req.num_cached:
+        for req in reqs:  # NOTE: the rarest condition first: it is tested for every request every step
+            if req.next_token_is_last and req.row is not None and not req.finished and req.num_tokens == req.num_cached:
                 self.queues.finish(req)
                 self._ahead[req.rid] = req
 
@@ -228,22 +234,27 @@ class Scheduler:
         """Read a launched step's tokens (waiting for them) and advance its requests."""
         return self._advance(step.reqs, step.new_tokens()) if step is not None else []
 
-    def _advance(self, reqs: list[Req], new: list[tuple[list[int], list[float]]]) -> list[Req]:
+    def _advance(self, reqs: list[Req], new: Sequence[tuple[list[int], list[float]]]) -> list[Req]:
         """Append each request's new tokens (one, or several accepted drafts) until it stops.
 
         A request that stopped (or was aborted) after this step was launched keeps none of them. A
         request finished ahead (`_finish_ahead`) has no row any more: it takes its token and stops
         (its token is its last).
         """
+        # NOTE: a plain decode step (OneEach) is read from its flat lists, one token per request:
+        # no pair of lists per request, one call each (`append_token`).
+        one_each = isinstance(new, OneEach)
+        pairs, append = (zip(new.tokens, new.logprobs), append_token) if one_each else (new, append_tokens)
         finished = []
         now = time.perf_counter()
-        for req, (tokens, logprobs) in zip(reqs, new):
-            ahead = self._ahead.pop(req.rid, None) is not None
-            if req.finished or (req.row is None and not ahead):
+        ahead_map, eos, detokenize = self._ahead, self.eos_token_ids, self.detokenize
+        for req, (tokens, logprobs) in zip(reqs, pairs):
+            ahead = bool(ahead_map) and ahead_map.pop(req.rid, None) is not None
+            if req.finish_reason is not None or (req.row is None and not ahead):
                 continue
-            if req.first_token_at is None and tokens:
+            if req.first_token_at is None and (one_each or tokens):
                 req.first_token_at = now
-            if append_tokens(req, tokens, logprobs, self.eos_token_ids, self.detokenize) or ahead:
+            if append(req, tokens, logprobs, eos, detokenize) or ahead:
                 req.finished_at = now
                 if not ahead:
                     self.queues.finish(req)

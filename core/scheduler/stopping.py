@@ -34,10 +34,25 @@ def append_tokens(req: Req, tokens: list[int], logprobs: list[float], eos_token_
     """Append a step's new tokens (one, or several accepted drafts) and their log-probabilities to
     `req` until it stops; whether it stopped (the tokens after the stopping one are dropped)."""
     for token, logprob in zip(tokens, logprobs):
-        req.output_ids.append(token)
-        req.logprobs.append(logprob)
-        if check_stop(req, eos_token_ids, detokenize):
+        if append_token(req, token, logprob, eos_token_ids, detokenize):
             return True
+    return False
+
+
+def append_token(req: Req, token: int, logprob: float, eos_token_ids: set[int],
+                 detokenize: Callable[[list[int]], str]) -> bool:
+    """`append_tokens` of one token: append it and its log-probability; whether `req` stopped.
+
+    NOTE: run for every request at every decode step: `check_stop` runs only when one of its
+    conditions may hold (an end-of-sequence token, stop tokens or strings, max_new_tokens reached,
+    or the request already finished), so the usual token costs one test here.
+    """
+    output_ids, params = req.output_ids, req.params
+    output_ids.append(token)
+    req.logprobs.append(logprob)
+    if (token in eos_token_ids or params.stop_token_ids or params.stop
+            or len(output_ids) >= params.max_new_tokens or req.finish_reason is not None):
+        return check_stop(req, eos_token_ids, detokenize)
     return False
 
 class StopStrings:
