@@ -74,7 +74,7 @@ class Engine:
         self._dead: str | None = None
         self.gc_frozen = 0  # objects moved to the garbage collector's permanent generation (--gc-freeze)
         if self.args.gc_freeze:
-            from backplane.engine.engine_process import freeze_startup_heap
+            from backplane.engine.heap import freeze_startup_heap
 
             self.gc_frozen = freeze_startup_heap()
 

@@ -25,7 +25,6 @@ does the same while the model is still loading.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import pickle
@@ -34,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from backplane.engine.heap import freeze_startup_heap  # noqa: F401 - its name here is public too
 from backplane.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError, RequestRejected
 from backplane.engine.messages import (Abort, AbortAll, AddRequests, Failed, Ready, Step, StepRow, Stopped,
                                        Verdict)
@@ -86,20 +86,6 @@ def _build_engine(args: Any, plugins: list[Any]) -> Any:
     # NOTE: plugins load again here (a PluginSet does not pickle); `plugins` also reach TP workers.
     return Engine(server_args=args, plugin_set=load_plugins(strict=args.strict_plugins, extra=plugins),
                   plugins=plugins)
-
-
-def freeze_startup_heap() -> int:
-    """Collect, then move every object still alive to the garbage collector's permanent generation
-    (`gc.freeze`): startup's objects live as long as the process, and scanning them made each full
-    collection of a serving loop a pause of about 0.1 s. Objects allocated later are collected as
-    usual. For a process that serves one engine until it exits; a library caller opts in with
-    `--gc-freeze` (`Engine` calls this, and `gc.unfreeze` at shutdown: a frozen engine dropped without
-    it is never collected). What was frozen before is unfrozen first, so that an engine dropped since
-    is collected now. Returns the frozen count."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _ready(engine: Any, loop: EngineLoop, gc_frozen: int = 0) -> Ready:
