@@ -20,3 +20,17 @@ def placed_reqs(req_pool: ReqToTokenPool, prompts: list[list[int]], cached: list
     for req, n in zip(reqs, cached):
         req.row, req.num_cached = req_pool.alloc(), n
     return reqs
+
+
+def expected_fields(ids: list[int], positions: list[int], slots: list[int], rows: list[int], prefix: list[int],
+                    new: list[int], extend: bool) -> dict[str, tuple[list[int], torch.dtype]]:
+    """A built batch's fields as (values, dtype): the lengths of requests with `prefix[i]` cached and
+    `new[i]` new tokens; the extend lengths only for an extend batch."""
+    seq = [p + k for p, k in zip(prefix, new)]
+    want = {"input_ids": (ids, torch.int64), "positions": (positions, torch.int64),
+            "out_cache_loc": (slots, torch.int64), "req_pool_indices": (rows, torch.int64),
+            "seq_lens": (seq, torch.int32), "seq_lens_cpu": (seq, torch.int32)}
+    if extend:
+        want.update(extend_prefix_lens=(prefix, torch.int32), extend_seq_lens=(new, torch.int32),
+                    extend_prefix_lens_cpu=(prefix, torch.int32), extend_seq_lens_cpu=(new, torch.int32))
+    return want

@@ -20,7 +20,7 @@ from backplane.contracts.batch import ForwardMode
 from backplane.contracts.graph import GraphKey
 from backplane.executor.graph_runner import StaticInputs, pad_into
 from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
-from helpers_scheduler import cpu_pools, placed_reqs
+from helpers_scheduler import cpu_pools, expected_fields, placed_reqs
 from test_replay_inputs import PAD_ROW, Spec, garbage_static
 
 EXTEND, DECODE, VERIFY = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
@@ -116,14 +116,8 @@ def test_built_batch_fields(seed, decode):
     flat = [s for part in slots for s in part]
     ids = [t for q, p, k in zip(prompts, prefix, new) for t in q[p:p + k]]
     positions = [p + j for p, k in zip(prefix, new) for j in range(k)]
-    seq = [p + k for p, k in zip(prefix, new)]
-    want = {"input_ids": (ids, torch.int64), "positions": (positions, torch.int64),
-            "out_cache_loc": (flat, torch.int64), "req_pool_indices": ([r.row for r in reqs], torch.int64),
-            "seq_lens": (seq, torch.int32), "seq_lens_cpu": (seq, torch.int32)}
-    if not decode:
-        want.update(extend_prefix_lens=(prefix, torch.int32), extend_seq_lens=(new, torch.int32),
-                    extend_prefix_lens_cpu=(prefix, torch.int32), extend_seq_lens_cpu=(new, torch.int32))
-    else:
+    want = expected_fields(ids, positions, flat, [r.row for r in reqs], prefix, new, extend=not decode)
+    if decode:
         assert batch.extend_seq_lens is None and batch.extend_seq_lens_cpu is None
     for name, (values, dtype) in want.items():
         tensor = getattr(batch, name)
@@ -140,7 +134,7 @@ def test_built_batch_fields(seed, decode):
     for req, p, k, part in zip(reqs, prefix, new, slots):
         assert req_pool.req_to_token[req.row, p:p + k].tolist() == part
     batch.seq_lens.add_(1)
-    assert batch.seq_lens_cpu.tolist() == seq, "seq_lens_cpu shares memory with seq_lens"
+    assert batch.seq_lens_cpu.tolist() == want["seq_lens"][0], "seq_lens_cpu shares memory with seq_lens"
 
 
 # -- the padding ----------------------------------------------------------------------------------

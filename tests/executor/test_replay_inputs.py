@@ -24,7 +24,7 @@ from backplane.plugins.attention_triton.graph import GraphBuffers
 from backplane.scheduler.batch_builder import build_decode_batch, build_extend_batch
 from backplane.scheduler.decode_state import DecodeState
 from backplane.scheduler.overlap import FutureTokens
-from helpers_scheduler import cpu_pools, placed_reqs
+from helpers_scheduler import cpu_pools, expected_fields, placed_reqs
 
 PAD_ROW = 9
 EXTEND, DECODE, VERIFY = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
@@ -278,14 +278,8 @@ def test_builder_device_tensors(mode):
         batch = build_decode_batch(reqs, kv_pool, req_pool)
         new, prefix, ids, positions = [1, 1], [2, 1], [7, 4], [2, 1]
     rows, slots = [r.row for r in reqs], batch.host.out_cache_loc.tolist()
-    seq = [p + k for p, k in zip(prefix, new)]
-    want = {"input_ids": (ids, torch.int64), "positions": (positions, torch.int64),
-            "out_cache_loc": (slots, torch.int64), "req_pool_indices": (rows, torch.int64),
-            "seq_lens": (seq, torch.int32), "seq_lens_cpu": (seq, torch.int32)}
-    if mode is EXTEND:
-        want.update(extend_prefix_lens=(prefix, torch.int32), extend_seq_lens=(new, torch.int32),
-                    extend_prefix_lens_cpu=(prefix, torch.int32), extend_seq_lens_cpu=(new, torch.int32))
-    else:
+    want = expected_fields(ids, positions, slots, rows, prefix, new, extend=mode is EXTEND)
+    if mode is not EXTEND:
         assert batch.extend_seq_lens is None and batch.extend_prefix_lens is None
     for name, (values, dtype) in want.items():
         tensor = getattr(batch, name)
@@ -294,7 +288,7 @@ def test_builder_device_tensors(mode):
     assert req_pool.req_to_token[token_rows, positions].tolist() == slots
     assert len(set(slots)) == len(slots) and 0 not in slots
     batch.seq_lens.add_(1)
-    assert batch.seq_lens_cpu.tolist() == seq, "seq_lens_cpu shares memory with the device seq_lens"
+    assert batch.seq_lens_cpu.tolist() == want["seq_lens"][0], "seq_lens_cpu shares memory with the device seq_lens"
     assert batch.host.input_ids.tolist() == ids and batch.host.positions.tolist() == positions
 
 
