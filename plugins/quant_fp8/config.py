@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from backplane.contracts import ExpertQuant, QuantConfig
+from backplane.plugins.quant_fp8.options import BUNDLED, TableSource
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
 WEIGHT_STRATEGIES = ("tensor", "channel", "block")
@@ -34,16 +35,19 @@ def online_block(block: tuple[int, int]) -> Fp8Scheme:
 
 
 class Fp8Config(QuantConfig):
-    """One scheme for every linear layer the core does not keep in high precision."""
+    """One scheme for every linear layer the core does not keep in high precision; `table`: where the
+    CUDA kernels' launches come from (`--fp8.configs`, `--fp8.tuned`)."""
 
     name = "fp8"
 
-    def __init__(self, scheme: Fp8Scheme, ignore: tuple[str, ...] = ()):
+    def __init__(self, scheme: Fp8Scheme, ignore: tuple[str, ...] = (), table: TableSource = BUNDLED):
         self.scheme = scheme
         self._ignore = tuple(ignore)
+        self.table = table
 
     def __repr__(self) -> str:
-        return f"Fp8Config({self.scheme}, ignore={self._ignore})"
+        table = "" if self.table == BUNDLED else f", table={self.table}"
+        return f"Fp8Config({self.scheme}, ignore={self._ignore}{table})"
 
     @property
     def ignore(self) -> tuple[str, ...]:
@@ -52,7 +56,7 @@ class Fp8Config(QuantConfig):
     def method_for(self, layer, prefix: str):
         from backplane.plugins.quant_fp8.method import Fp8LinearMethod
 
-        return Fp8LinearMethod(self.scheme, prefix)
+        return Fp8LinearMethod(self.scheme, prefix, self.table)
 
     def expert_quant(self, layer, prefix: str) -> ExpertQuant:
         """The experts of MoE layer `prefix` under this scheme: block scales with 1 x bk activation
@@ -79,7 +83,23 @@ def expert_quant_of(scheme: Fp8Scheme, prefix: str) -> ExpertQuant:
 
 
 def make_config(ctx) -> Fp8Config:
-    """The Fp8Config of a QuantContext: online for a bf16 checkpoint, else by quant_method."""
+    """The Fp8Config of a QuantContext: online for a bf16 checkpoint, else by quant_method; its launch
+    table from the options (a `--fp8.configs` file is read, and refused in one line, here)."""
+    config = _scheme_config(ctx)
+    config.table = launch_table(ctx.options)
+    return config
+
+
+def launch_table(options) -> TableSource:
+    """The TableSource of the Fp8Options `options` (None: the bundled table)."""
+    if options is None or options.configs is None:
+        return TableSource(tuned=options.tuned if options is not None else True)
+    from backplane.plugins.quant_fp8.cuda import table_source  # NOTE: reading a table takes triton
+
+    return table_source(options.configs, options.tuned)
+
+
+def _scheme_config(ctx) -> Fp8Config:
     qc = ctx.checkpoint_config
     block = ctx.options.block if ctx.options is not None else None
     if qc is None:

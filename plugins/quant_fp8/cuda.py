@@ -14,7 +14,8 @@ with the numbers quantize.py gives on CUDA; a per-token bound (Fp8Scheme.activat
 fbgemm_fp8) goes to both, so every path takes scale = min(amax, ub) / 448.
 
 Launches come from a table per card, `configs/<torch.cuda.get_device_name(), spaces as
-underscores>.json` beside this module, written by tune.py:
+underscores>.json` beside this module, or the file given by `--fp8.configs` (none at all with
+`--no-fp8.tuned`: default_launch chooses every launch), written by tune.py:
 
     {"device": "NVIDIA H100 80GB HBM3", "tuned": true, "triton": "3.6.0", "torch": "2.11.0",
      "entries": [{"kernel": "channel", "N": 6144, "K": 4096, "tokens": 8, "use": "triton",
@@ -25,6 +26,8 @@ keyed by the kernel ("channel", or "block" with its "block": [bn, bk]), the weig
 token count: M takes the entry of its bucket (M padded to a power of two, at least 16) measured
 nearest to M. "use": "scaled_mm" sends a bf16 channel GEMM of that bucket to torch._scaled_mm.
 Shapes and buckets the table lacks take default_launch and the DECODE_MAX_TOKENS threshold.
+Which table a layer uses is its TableSource (the two options), carried by Fp8Config to every
+Fp8LinearMethod and into each cached choice, so engines of one process keep their own tables.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 import triton
 
 from backplane.plugins.quant_fp8.kernels import Launch, block_m_for, block_matmul, channel_matmul, quantize_rows
+from backplane.plugins.quant_fp8.options import BUNDLED, TableSource
 from backplane.plugins.quant_fp8.reference import quantize_input, reference_linear
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
@@ -59,14 +63,15 @@ TableKey = tuple[str, int, int, tuple[int, int] | None]  # (kernel, N, K, weight
 
 def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                counters: torch.Tensor | None = None) -> torch.Tensor:
+                counters: torch.Tensor | None = None, source: TableSource = BUNDLED) -> torch.Tensor:
     """x [M, K] in the model dtype -> [M, N] in the same dtype. weight [N, K] fp8 (row-major).
-    counters: the layer's kernels.new_counters(weight) (split-K; else allocated per call)."""
+    counters: the layer's kernels.new_counters(weight) (split-K; else allocated per call).
+    source: the launch table the layer's config names."""
     m, k, n = x.shape[0], x.shape[1], weight.shape[0]
     if scheme.activations == "none" or (scheme.weights == "block") != (scheme.activations == "group"):
         return reference_linear(scheme, x, weight, weight_scale, input_scale, bias)
     if scheme.weights == "block":
-        _, launch = choose(("block", n, k, scheme.block), m, x.dtype, x.device)
+        _, launch = choose(("block", n, k, scheme.block), m, x.dtype, x.device, source)
         return block_matmul(x, weight, weight_scale, scheme.block, bias, launch, counters)
     if scheme.weights == "tensor" and scheme.activations == "tensor":
         q, x_scale = quantize_input(scheme, x, input_scale)
@@ -74,7 +79,7 @@ def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight
         y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float(), bias=fused_bias,
                              out_dtype=x.dtype)
         return y if bias is None or fused_bias is not None else y + bias
-    use, launch = choose(("channel", n, k, None), m, x.dtype, x.device)
+    use, launch = choose(("channel", n, k, None), m, x.dtype, x.device, source)
     if use == "scaled_mm":
         return _rowwise(scheme, x, weight, weight_scale, input_scale, bias)
     if scheme.activations == "tensor":  # static or dynamic: one scale, from torch
@@ -99,16 +104,18 @@ def _rowwise(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_sc
 
 # -- launch choice --------------------------------------------------------------------------------
 
-def choose(key: TableKey, m: int, dtype: torch.dtype, device: torch.device) -> tuple[str, Launch]:
-    """("triton" or "scaled_mm", the Triton launch) for a GEMM of M rows: the card's table entry
-    for M's bucket, else the defaults. scaled_mm only for a bf16 channel GEMM."""
+def choose(key: TableKey, m: int, dtype: torch.dtype, device: torch.device,
+           source: TableSource = BUNDLED) -> tuple[str, Launch]:
+    """("triton" or "scaled_mm", the Triton launch) for a GEMM of M rows: the entry for M's bucket in
+    the table of `source` (default: the card's bundled one), else the defaults. scaled_mm only for a
+    bf16 channel GEMM."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _choose(key, m, dtype, index)
+    return _choose(key, m, dtype, index, source)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(key: TableKey, m: int, dtype: torch.dtype, device_index: int) -> tuple[str, Launch]:
-    found = table_for(torch.cuda.get_device_name(device_index)).lookup(key, m)
+def _choose(key: TableKey, m: int, dtype: torch.dtype, device_index: int, source: TableSource) -> tuple[str, Launch]:
+    found = table_for(torch.cuda.get_device_name(device_index), source).lookup(key, m)
     if found is not None:
         use, launch = found
     else:
@@ -214,20 +221,49 @@ def device_file_name(device_name: str) -> str:
     return device_name.strip().replace(" ", "_") + ".json"
 
 
-def load_table(path: str | Path) -> LaunchTable:
+def load_table(path: str | Path, option: str | None = None) -> LaunchTable:
+    """The table in `path`; a ValueError of one line otherwise. option: the setting that named the file
+    (`--fp8.configs`), which the error then names with its fix."""
     path = Path(path)
+    where = f"{option} {path}" if option else f"quant_fp8 launch table {path}"
+    fix = f"; fix: point {option} at a file tune.py wrote, or leave it unset for the GPU's bundled table" if option else ""
+    written_by = "expected a JSON launch table written by python -m backplane.plugins.quant_fp8.tune"
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"quant_fp8 launch table: {path} does not exist; expected a JSON file written by "
-                         "python -m backplane.plugins.quant_fp8.tune") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"quant_fp8 launch table: {path} is not JSON ({exc})") from None
-    return LaunchTable.from_json(data, str(path))
+        raise ValueError(f"{where} does not exist; {written_by}{fix}") from None
+    except OSError as exc:
+        raise ValueError(f"{where} cannot be read ({exc.strerror}); {written_by}{fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where} is not JSON ({exc}); {written_by}{fix}") from None
+    try:
+        return LaunchTable.from_json(data, where)
+    except ValueError as exc:
+        raise ValueError(f"{exc}{fix}") from None
+
+
+def table_source(configs: str, tuned: bool = True) -> TableSource:
+    """The TableSource of `--fp8.configs PATH` (and `--fp8.tuned`), the file read (and refused in one
+    line naming the option) now, at engine build, rather than at the first forward."""
+    path = Path(configs).expanduser().resolve()
+    stamp = path.stat().st_mtime_ns if path.is_file() else None
+    source = TableSource(str(path), tuned, stamp)
+    _configured_table(source.configs, stamp)  # NOTE: also loaded with tuned false, so a wrong path never waits
+    return source
 
 
 @functools.cache
-def table_for(device_name: str) -> LaunchTable:
-    """The bundled table of this GPU, else an empty one."""
+def table_for(device_name: str, source: TableSource = BUNDLED) -> LaunchTable:
+    """The table `source` names: none when it is untuned, the configured file, else the bundled table
+    of this GPU, else an empty one."""
+    if not source.tuned:
+        return LaunchTable()
+    if source.configs is not None:
+        return _configured_table(source.configs, source.stamp)
     bundled = CONFIG_DIR / device_file_name(device_name)
     return load_table(bundled) if bundled.exists() else LaunchTable()
+
+
+@functools.cache
+def _configured_table(path: str, stamp: int | None) -> LaunchTable:
+    return load_table(path, option="--fp8.configs")

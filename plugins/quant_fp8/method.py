@@ -17,6 +17,7 @@ from torch import nn
 
 from backplane.contracts import LinearPartition, QuantMethod, ShardLayout, new_parameter
 from backplane.plugins.quant_fp8 import quantize as fq
+from backplane.plugins.quant_fp8.options import BUNDLED, TableSource
 from backplane.plugins.quant_fp8.reference import reference_linear
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
@@ -28,11 +29,13 @@ PER_PART = ShardLayout(output_dim=None, per_partition=True)
 
 
 class Fp8LinearMethod(QuantMethod):
-    """FP8 weights of the layer named `prefix` under `scheme` (backplane.plugins.quant_fp8.config)."""
+    """FP8 weights of the layer named `prefix` under `scheme` (backplane.plugins.quant_fp8.config); on
+    CUDA its launches come from `table` (the config's `--fp8.configs` / `--fp8.tuned`)."""
 
-    def __init__(self, scheme: Fp8Scheme, prefix: str = ""):
+    def __init__(self, scheme: Fp8Scheme, prefix: str = "", table: TableSource = BUNDLED):
         self.scheme = scheme
         self.prefix = prefix
+        self.table = table
 
     def __repr__(self) -> str:
         return f"Fp8LinearMethod({self.prefix!r}, {self.scheme})"
@@ -94,7 +97,7 @@ class Fp8LinearMethod(QuantMethod):
             self.counters = new_counters(layer.weight)
             from backplane.plugins.quant_fp8.opaque import scheme_key  # registers torch.ops.backplane_fp8.linear
 
-            self.scheme_key = scheme_key(self.scheme)
+            self.scheme_key = scheme_key(self.scheme, self.table)
 
     def _quantize_blocks(self, layer: nn.Module) -> None:
         """The loaded weight -> FP8 blocks. Every part is a multiple of the block's rows
@@ -131,7 +134,7 @@ class Fp8LinearMethod(QuantMethod):
                                                    bias, counters, self.scheme_key)
             else:
                 y = cuda_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias,
-                                counters)
+                                counters, self.table)
         else:
             y = reference_linear(self.scheme, x2, layer.weight, self.weight_scale(layer), self.input_scale(layer), bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -19,7 +20,8 @@ def parse_block(text: str) -> tuple[int, int]:
 
 
 class Fp8Options(BaseModel):
-    """How `--quantization fp8` quantizes a bf16 checkpoint online."""
+    """How `--quantization fp8` quantizes a bf16 checkpoint online, and where the CUDA kernels' launch
+    table comes from (cuda.py)."""
 
     online_block: str | None = Field(
         None,
@@ -27,6 +29,12 @@ class Fp8Options(BaseModel):
         "activations per 1 x COLUMNS group: the layout of DeepSeek and Qwen3 FP8 checkpoints), e.g. 128x128; "
         "default: per-channel weight scales, per-token activations",
     )
+    configs: str | None = Field(
+        None,
+        description="a JSON launch table written by python -m backplane.plugins.quant_fp8.tune; "
+        "default: configs/<GPU name>.json bundled with the plugin, if there is one for this GPU",
+    )
+    tuned: bool = Field(True, description="use the table; false: the rule of thumb (default_launch) chooses every launch")
 
     @field_validator("online_block")
     @classmethod
@@ -38,3 +46,18 @@ class Fp8Options(BaseModel):
     @property
     def block(self) -> tuple[int, int] | None:
         return parse_block(self.online_block) if self.online_block else None
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """Where a layer's launches come from: `configs`, the path of a table tune.py wrote (`--fp8.configs`),
+    or None for the GPU's bundled one; `tuned` False (`--no-fp8.tuned`): no table, default_launch
+    chooses every launch. `stamp`: the file's modification time when the engine was built, so a
+    table rewritten in place is read again by the next engine instead of served from the cache."""
+
+    configs: str | None = None
+    tuned: bool = True
+    stamp: int | None = None
+
+
+BUNDLED = TableSource()  # no options: the GPU's bundled table

@@ -36,7 +36,7 @@ def _layer(n: int = 48, k: int = 32, bias: bool = True):
 def reference_kernels(monkeypatch):
     calls = []
 
-    def fake_cuda_linear(scheme, x, weight, weight_scale, input_scale, bias, counters=None):
+    def fake_cuda_linear(scheme, x, weight, weight_scale, input_scale, bias, counters=None, source=None):
         calls.append(scheme)
         return reference_linear(scheme, x, weight, weight_scale, input_scale, bias).to(x.dtype)
 
