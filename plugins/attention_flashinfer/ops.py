@@ -92,11 +92,12 @@ def rotary_embedding(
     positions: [T] int32/int64; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim];
     cos_sin_cache: [max_position, rotary_dim] fp32 (cos in the first half, sin in the second).
     """
-    if not _has_kernel(q, k) or not cos_sin_cache.is_cuda:
+    head_dim = q.shape[-1]
+    if (not _has_kernel(q, k) or not cos_sin_cache.is_cuda
+            or not _rope_kernel_fits(head_dim, cos_sin_cache.shape[-1], q.dtype)):
         return native.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
     import flashinfer
 
-    head_dim = q.shape[-1]
     # FlashInfer views q as [T, -1, head_dim] and reads fp32 cos/sin rows; both need unit strides.
     q_rot, k_rot = flashinfer.apply_rope_with_cos_sin_cache(
         positions.contiguous(),
@@ -107,6 +108,29 @@ def rotary_embedding(
         is_neox=is_neox,
     )
     return q_rot.view(q.shape), k_rot.view(k.shape)
+
+
+def _rope_kernel_fits(head_dim: int, rotary_dim: int, dtype: torch.dtype) -> bool:
+    """Whether FlashInfer's apply_rope_with_cos_sin_cache rotates heads of `head_dim` (the first
+    `rotary_dim` of each) in `dtype` correctly.
+
+    Each of its threads rotates a run of `vec` consecutive elements with one sign, the one of the
+    half of rotary_dim its first element lies in, and reads its partners (and cos/sin) as `vec`
+    values from there, so every run must lie inside one half: rotary_dim a multiple of 2 * vec.
+    vec is max(16 bytes, head_dim / 32) elements for head dims 64/128/256/512; other head dims go to
+    its RopeQuantize kernel with 32 bytes a thread (taken here only when the whole head rotates).
+    NOTE: head_dim 16 in bf16 (vec 16) failed this silently: the second half of every head came
+    out as x[8+j] * sin - x[16+j] * cos(next position), x[16+j] being the next head's (FlashInfer
+    0.6.18's source; the tiny GPU LoRA-over-FP8 test's logits 0.39 relative off, as emulated on CPU).
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if head_dim in (64, 128, 256, 512):
+        vec = max(16 // size, head_dim // 32)
+    elif rotary_dim == head_dim:
+        vec = 32 // size
+    else:
+        return False
+    return rotary_dim % (2 * vec) == 0
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
