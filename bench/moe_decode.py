@@ -30,6 +30,7 @@ between batch sizes. Peak about 70 GB; the JSON records it.
 
     python -m bench.moe_decode                                # bs 1 8 32, prompt 128, 64 steps, on CUDA
     python -m bench.moe_decode --batch-sizes 1 --rounds 5
+    python -m bench.moe_decode --batch-sizes 1 --custom-ops moe_route=triton   # the one-kernel router
     python -m bench.run moe-decode --budget 590               # the same, as bench/run.py's group
     python -m bench.moe_decode --model tiny --device cpu --backend torch_native --no-compile   # the code path
 
@@ -88,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="triton", help="--attention-backend of the engine")
     p.add_argument("--moe-backend", default="auto", help="--moe-backend of the engine")
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
+    p.add_argument("--custom-ops", nargs="*", default=[], metavar="OP=IMPL",
+                   help="--custom-ops of the engine (e.g. moe_route=triton); default: the engine's own choice")
     ns = p.parse_args(argv)
     if ns.check_steps < 2 or ns.steps < 1 or ns.prompt < 1 or ns.rounds < 1 or min(ns.batch_sizes) < 1:
         p.error("expected --check-steps >= 2 and --steps, --prompt, --rounds, --batch-sizes >= 1")
@@ -97,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_settings(ns: argparse.Namespace, model_dir: Path) -> dict:
     bs = max(ns.batch_sizes)
     return dict(model=str(model_dir), load_format="dummy", device=ns.device, attention_backend=ns.backend,
-                moe_backend=ns.moe_backend, max_running_requests=bs, cuda_graph_bs=sorted(ns.batch_sizes),
+                moe_backend=ns.moe_backend, custom_ops=list(ns.custom_ops), max_running_requests=bs,
+                cuda_graph_bs=sorted(ns.batch_sizes),
                 max_total_tokens=2 * bs * (ns.prompt + ns.check_steps + ns.steps + 64),
                 chunked_prefill_size=max(bs * ns.prompt, 256))
 

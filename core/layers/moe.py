@@ -2,8 +2,9 @@
 
 `FusedMoE` owns what the model decides (backplane.contracts.moe): the router `gate` (a replicated
 H -> E linear in the model's dtype, never quantized), softmax / top-k / renormalisation
-(`backplane.moe.route`), the shared expert and its sigmoid gate (Qwen2-MoE), and the one all-reduce
-of the partial sums under tensor parallelism. The experts' arithmetic goes to the model's MoE
+(`backplane.moe.route`'s arithmetic, run as the resolved `moe_route` custom op, `ctx.ops.moe_route`),
+the shared expert and its sigmoid gate (Qwen2-MoE), and the one all-reduce of the partial sums under
+tensor parallelism. The experts' arithmetic goes to the model's MoE
 backend (`ctx.moe_backend`, chosen by `--moe-backend`) through `backplane.moe.moe_experts`.
 
 Checkpoints keep one tensor per expert and projection (`...experts.3.gate_proj.weight`); they are
@@ -36,7 +37,7 @@ from backplane.contracts.quant import ExpertQuant
 from backplane.layers.activation import SiluAndMul
 from backplane.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
 from backplane.layers.parallel import divide
-from backplane.moe import moe_experts, register_moe_layer, route
+from backplane.moe import moe_experts, register_moe_layer
 from backplane.moe.quant import quantize_experts_per_block, quantize_experts_per_channel
 
 EXPERT_SHARDS = ("w1", "w2", "w3")  # gate, down, up (Mixtral's names; any model's gate/down/up)
@@ -175,7 +176,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H] (the same on every rank)."""
         router_logits = self.gate(x)  # [T, E], model dtype
-        topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)  # [T, k] fp32 / int32
+        # backplane.moe.route's arithmetic through the resolved op (top_k was checked at init)
+        topk_weights, topk_ids = self.ctx.ops.moe_route(router_logits, self.top_k, self.renormalize)  # [T, k] fp32/int32
         out = moe_experts(self, x, topk_weights, topk_ids)  # [T, H], this rank's partial sum
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

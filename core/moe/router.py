@@ -3,13 +3,17 @@
 The core owns it (a MoE backend receives its result): softmax over the E router logits in fp32,
 the k largest probabilities (ties to the lower expert id, as torch.topk), and, when the model asks,
 renormalisation of those k to sum to 1 (Mixtral always; Qwen2-MoE and Qwen3-MoE by
-`norm_topk_prob`). Plain torch ops of fixed shapes: capturable in CUDA graphs and traceable by
-torch.compile.
+`norm_topk_prob`). The arithmetic is the native `moe_route` custom op (backplane.ops.native): plain
+torch ops of fixed shapes, capturable in CUDA graphs and traceable by torch.compile. `route` checks
+its arguments, then runs that native op; FusedMoE checks top_k once when built and calls the
+`moe_route` op resolved for the run (`ctx.ops.moe_route`, which a plugin may implement).
 """
 
 from __future__ import annotations
 
 import torch
+
+from backplane.ops import native
 
 SCORINGS = ("softmax",)
 
@@ -29,8 +33,4 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     num_experts = router_logits.shape[-1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"route: top_k {top_k} out of range; expected 1 <= top_k <= num_experts ({num_experts})")
-    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, k], sorted
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids.to(torch.int32)
+    return native.moe_route(router_logits, top_k, renormalize)

@@ -43,6 +43,7 @@ class CustomOps:
     rotary_embedding: Callable
     rotary_kv_write: Callable
     greedy_sample: Callable
+    moe_route: Callable
     chosen: dict[str, str] = field(default_factory=dict)
     compile_safe: frozenset[str] = frozenset(OP_NAMES)
 

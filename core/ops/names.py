@@ -10,4 +10,5 @@ OP_NAMES = (
     "rotary_embedding",
     "rotary_kv_write",  # rotary fused with the KV-cache write; used only by backends that opt in
     "greedy_sample",  # argmax of each logits row and its log-probability; the sampler's all-greedy batches
+    "moe_route",  # a MoE layer's router: softmax, top-k, renormalisation; FusedMoE calls it
 )

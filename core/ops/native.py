@@ -133,6 +133,21 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, logprobs
 
 
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router: (topk_weights [T, k] fp32, topk_ids [T, k] int32).
+
+    router_logits: [T, E], any float dtype; 1 <= top_k <= E (the caller checks: `backplane.moe.route`).
+    topk_weights[t] are the k largest of softmax(router_logits[t]) computed in fp32, in decreasing
+    order (ties to the lower expert id, as torch.topk), divided by their sum when `renormalize`;
+    topk_ids[t] are their experts.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, k], sorted
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids.to(torch.int32)
+
+
 NATIVE_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -143,4 +158,5 @@ NATIVE_OPS: dict[str, Callable] = {
     "rotary_embedding": rotary_embedding,
     "rotary_kv_write": rotary_kv_write,
     "greedy_sample": greedy_sample,
+    "moe_route": moe_route,
 }

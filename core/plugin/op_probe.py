@@ -14,7 +14,7 @@ import torch
 
 from backplane.plugin.failures import def_location, failure_location, one_line, with_location
 
-TOKENS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, SLOTS, VOCAB = 3, 2, 1, 64, 64, 8, 1000
+TOKENS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, SLOTS, VOCAB, EXPERTS, TOP_K = 3, 2, 1, 64, 64, 8, 1000, 64, 4
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2}
 
 
@@ -38,6 +38,9 @@ def probe_inputs(op: str, device: torch.device, dtype: torch.dtype) -> tuple:
                                     dtype=dtype), torch.zeros(SLOTS, KV_HEADS, HEAD_DIM, device=device, dtype=dtype),
                                     torch.tensor([1, 4, 6], device=device)),
         "greedy_sample": lambda: (rand(TOKENS, VOCAB, kind=torch.float32),),  # the sampler's logits are fp32
+        # NOTE: distinct logits per row (a random order of multiples of 1/8): the probe does not judge how ties go
+        "moe_route": lambda: (torch.stack([torch.randperm(EXPERTS, device=device) for _ in range(TOKENS)]).to(dtype) / 8,
+                              TOP_K, True),
     }[op]()
 
 

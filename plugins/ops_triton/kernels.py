@@ -16,6 +16,7 @@ import triton.language as tl
 MAX_NORM_HIDDEN = 65536
 _ACT_BLOCK = 1024
 GREEDY_BLOCK = 8192  # greedy_sample: a row goes through one program, this many logits per step
+MAX_ROUTE_EXPERTS = 1024  # moe_route holds a row of router logits in one block
 
 
 @triton.jit
@@ -158,6 +159,38 @@ def _greedy_sample_kernel(logits_ptr, tokens_ptr, logprobs_ptr, row_stride, voca
     tl.store(logprobs_ptr + row, logprob)
 
 
+@triton.jit
+def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, row_stride, num_experts, top_k,
+                      RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per token. logits: [T, E] any float dtype (unit last stride); weights [T, k] fp32,
+    # ids [T, k] int32, contiguous. softmax in fp32, then k rounds of argmax over the probabilities.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    valid = cols < num_experts
+    x = tl.load(logits_ptr + row * row_stride + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    # NOTE: a chosen expert becomes -1 and a padding lane -2, below any probability (an underflowed
+    # 0 included), so each round's maximum is the next of torch.topk's order
+    probs = tl.where(valid, probs, -2.0)
+    slots = tl.arange(0, BLOCK_K)
+    top_weights = tl.zeros([BLOCK_K], tl.float32)
+    top_ids = tl.zeros([BLOCK_K], tl.int32)
+    for i in range(top_k):
+        weight = tl.max(probs, axis=0)
+        # the lower id among equal probabilities; NOTE: a NaN counts as a maximum too, so a row with a NaN
+        # logit (all probabilities NaN) still gets ids of real experts
+        best = tl.min(tl.where((probs == weight) | (probs != probs), cols, BLOCK_E), axis=0)
+        top_weights = tl.where(slots == i, weight, top_weights)
+        top_ids = tl.where(slots == i, best, top_ids)
+        probs = tl.where(cols == best, -1.0, probs)
+    if RENORMALIZE:
+        top_weights = top_weights / tl.sum(tl.where(slots < top_k, top_weights, 0.0), axis=0)
+    out = slots < top_k
+    tl.store(weights_ptr + row * top_k + slots, top_weights, mask=out)
+    tl.store(ids_ptr + row * top_k + slots, top_ids, mask=out)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x: [..., hidden] -> [rows, hidden] with a unit last stride (a view when possible)."""
     rows = x.reshape(-1, x.shape[-1])
@@ -211,6 +244,20 @@ def greedy_sample(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Te
     if bs:
         _greedy_sample_kernel[(bs,)](logits, tokens, logprobs, logits.stride(0), vocab, BLOCK=block,
                                      num_warps=max(1, min(16, block // 512)))
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (E <= MAX_ROUTE_EXPERTS, unit last stride) -> (topk_weights [T, k] fp32,
+    topk_ids [T, k] int32), new tensors: `backplane.ops.native.moe_route` in one launch (none for T = 0)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        block = triton.next_power_of_2(num_experts)
+        _moe_route_kernel[(num_tokens,)](router_logits, weights, ids, router_logits.stride(0), num_experts, top_k,
+                                         RENORMALIZE=renormalize, BLOCK_E=block,
+                                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block <= 256 else 4)
+    return weights, ids
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from backplane.ops import native
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NORM_HIDDEN = 65536  # rms_norm holds a row in one block
+MAX_ROUTE_EXPERTS = 1024  # moe_route holds a row of router logits in one block
 
 
 def _runs(*tensors: torch.Tensor) -> bool:
@@ -105,6 +106,18 @@ def greedy_sample_op(logits: torch.Tensor) -> torch.Tensor:
 @greedy_sample_op.register_fake
 def _greedy_sample_fake(logits):
     return logits.new_empty(_packed_bytes(logits.shape[0]), dtype=torch.uint8)
+
+
+@torch.library.custom_op("ops_triton::moe_route", mutates_args=())
+def moe_route_op(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().moe_route(router_logits, top_k, renormalize)
+
+
+@moe_route_op.register_fake
+def _moe_route_fake(router_logits, top_k, renormalize):
+    num_tokens = router_logits.shape[0]
+    return (router_logits.new_empty((num_tokens, top_k), dtype=torch.float32),
+            router_logits.new_empty((num_tokens, top_k), dtype=torch.int32))
 
 
 # -- the table's functions (CustomOpImpl.fn) --------------------------------------------------------
@@ -208,6 +221,18 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _greedy_sample_packed(logits)[1:]
 
 
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int32) in one kernel: softmax
+    in fp32, the k largest (ties to the lower expert id, as torch.topk), renormalised when asked.
+    More than MAX_ROUTE_EXPERTS experts, a strided row or top_k outside 1..E go to native."""
+    if (not _runs(router_logits) or router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[1]
+            or router_logits.shape[1] > MAX_ROUTE_EXPERTS or router_logits.stride(-1) != 1):
+        return native.moe_route(router_logits, top_k, renormalize)
+    if torch.compiler.is_compiling():
+        return moe_route_op(router_logits, top_k, renormalize)
+    return _kernels().moe_route(router_logits, top_k, renormalize)
+
+
 TRITON_OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -215,4 +240,5 @@ TRITON_OPS = {
     "rotary_embedding": rotary_embedding,
     "rotary_kv_write": rotary_kv_write,
     "greedy_sample": greedy_sample,
+    "moe_route": moe_route,
 }

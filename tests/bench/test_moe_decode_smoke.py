@@ -103,3 +103,15 @@ def test_the_benchmark_answers_help_and_is_a_group_of_bench_run(capsys):
     assert stop.value.code == 0 and "--check-steps" in capsys.readouterr().out
     (job,) = run.GROUPS["moe-decode"]
     assert job.argv[:2] == ("-m", "bench.moe_decode") and moe_decode.parse_args(list(job.argv[2:])).batch_sizes == [1, 8, 32]
+
+
+def test_custom_ops_reach_the_engine_and_the_result(tmp_path):
+    """--custom-ops OP=IMPL ... is the engine's --custom-ops (default none), recorded in the JSON's args;
+    the engine's choice shows in its backends."""
+    assert moe_decode.parse_args([]).custom_ops == []
+    ns = moe_decode.parse_args(["--custom-ops", "moe_route=triton", "rms_norm=native"])
+    assert moe_decode.engine_settings(ns, tmp_path)["custom_ops"] == ["moe_route=triton", "rms_norm=native"]
+    moe_decode.main([*TINY, "--batch-sizes", "1", "--custom-ops", "moe_route=native", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("moe-decode-tiny-cpu-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["args"]["custom_ops"] == ["moe_route=native"] and doc["backends"]["custom_ops"]["moe_route"] == "native"

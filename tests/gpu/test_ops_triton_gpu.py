@@ -212,3 +212,62 @@ def test_generation_with_the_triton_ops_equals_native(mode):
     _, want = _generate(custom_ops=NATIVE, **kw)
     same = sum(a == b for a, b in zip(got, want))
     assert same >= len(want) - 1, f"{same}/{len(want)} identical"
+
+
+# -- moe_route (named only on CUDA: --custom-ops moe_route=triton) --------------------------------------
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of softmax(logits) in fp32, equal probabilities in increasing expert id (stable sort)."""
+    weights, ids = torch.sort(torch.softmax(logits.float(), dim=-1), dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def check_route(weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
+    want_weights, want_ids = route_reference(logits, top_k, renormalize)
+    native_weights, native_ids = native.moe_route(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (logits.shape[0], top_k)
+    assert torch.equal(ids, want_ids)
+    tie_free = (native_ids == want_ids).all(dim=-1)
+    assert torch.equal(ids[tie_free], native_ids[tie_free])
+    torch.testing.assert_close(weights, native_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_experts", [8, 60, 128, 1024])
+@pytest.mark.parametrize("num_tokens", [1, 17, 257])
+def test_moe_route_bf16(num_tokens, num_experts):
+    logits = randn(num_tokens, num_experts) * 2
+    logits[:, 5] = logits[:, 2] = logits.max(dim=-1).values + 1  # a planted tie on top: 2 first
+    for top_k in (1, 2, 8):
+        for renormalize in (True, False):
+            weights, ids = ops.moe_route(logits, top_k, renormalize)
+            check_route(weights, ids, logits, top_k, renormalize)
+            assert (ids[:, 0] == 2).all() and (top_k == 1 or (ids[:, 1] == 5).all())
+
+
+def test_moe_route_inside_a_captured_cuda_graph():
+    """Captured once over a static logits buffer, replayed over fresh logits written in place; eager
+    launches under torch's sync debug mode "error" (no host synchronization); no tokens, no launch."""
+    logits = randn(8, 128)
+    assert ops.moe_route(logits[:0], 8, True)[0].shape == (0, 8)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.moe_route(logits, 8, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.moe_route(logits, 8, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = ops.moe_route(logits, 8, True)
+    for seed in range(3):
+        logits.copy_(randn(8, 128, seed=100 + seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_route(weights, ids, logits, 8, True)

@@ -147,7 +147,7 @@ def test_rotary_kv_write_casts_to_the_cache_dtype():
 
 
 def test_every_op_traced_by_torch_compile_stays_opaque():
-    """All six table functions in one fullgraph compile (dynamic shapes): Dynamo records each as a
+    """All seven table functions in one fullgraph compile (dynamic shapes): Dynamo records each as a
     torch.ops.ops_triton.* call (rotary_kv_write mutating the caches), and the results equal native's."""
     from torch._inductor.compile_fx import compile_fx
 
@@ -157,14 +157,15 @@ def test_every_op_traced_by_torch_compile_stays_opaque():
         seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
         return compile_fx(gm, example_inputs)
 
-    def block(table, x, residual, w, gate_up, positions, q, k, v, cos_sin, k_cache, v_cache, loc, logits):
+    def block(table, x, residual, w, gate_up, positions, q, k, v, cos_sin, k_cache, v_cache, loc, logits, router_logits):
         y = table["rms_norm"](x, w, 1e-6)
         y2, residual_out = table["fused_add_rms_norm"](x, residual, w, 1e-6)
         act = table["silu_and_mul"](gate_up)
         rq, rk = table["rotary_embedding"](positions, q, k, cos_sin, True)
         fq, fk = table["rotary_kv_write"](positions, q, k, v, cos_sin, True, k_cache, v_cache, loc)
         tokens, logprobs = table["greedy_sample"](logits)
-        return y, y2, residual_out, act, rq, rk, fq, fk, tokens, logprobs
+        topk_weights, topk_ids = table["moe_route"](router_logits, 4, True)
+        return y, y2, residual_out, act, rq, rk, fq, fk, tokens, logprobs, topk_weights, topk_ids
 
     positions, q, k, v = _rope_inputs(9, 4, 2, 64, torch.float32)
     args = [randn(9, 100), randn(9, 100, seed=1), randn(100, seed=2), randn(9, 2 * 77, seed=3), positions, q, k, v,
@@ -173,9 +174,9 @@ def test_every_op_traced_by_torch_compile_stays_opaque():
     want_caches = [c.clone() for c in caches]
     loc = torch.randperm(19)[:9] + 1
     compiled = torch.compile(block, backend=recording_backend, fullgraph=True, dynamic=True)
-    logits = randn(9, 300, seed=6)
-    got = compiled(ops.TRITON_OPS, *args, *caches, loc, logits)
-    want = block(native.NATIVE_OPS, *args, *want_caches, loc, logits)
+    logits, router_logits = randn(9, 300, seed=6), randn(9, 60, seed=7)
+    got = compiled(ops.TRITON_OPS, *args, *caches, loc, logits, router_logits)
+    want = block(native.NATIVE_OPS, *args, *want_caches, loc, logits, router_logits)
     ops_seen = {op.split(".")[1] for op in seen if op.startswith("ops_triton.")}
     assert ops_seen == set(ops.TRITON_OPS), sorted(seen)
     for g, w in zip((*got, *caches), (*want, *want_caches)):

@@ -23,7 +23,9 @@ from backplane.plugin.manager import load_plugins  # noqa: E402
 from backplane.plugins.ops_triton import CUDA_PRIORITY  # noqa: E402
 from backplane.plugins.ops_triton import ops as triton_ops  # noqa: E402
 
-TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_kv_write", "greedy_sample")
+TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "rotary_kv_write", "greedy_sample",
+              "moe_route")
+NAMED_ONLY_ON_CUDA = ("greedy_sample", "moe_route")  # the plugin's docstring says why
 FORCED = [f"{op}=triton" for op in TRITON_OPS]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
 
@@ -40,17 +42,18 @@ def test_registered_on_both_platforms_compile_safe(impls):
         (op, p) for op in TRITON_OPS for p in ("cpu", "cuda"))
     assert all(impl.compile_safe for impl in mine)
     assert {impl.op: impl.priority for impl in mine if impl.platform == "cuda"} == {
-        op: -10 if op == "greedy_sample" else CUDA_PRIORITY for op in TRITON_OPS}
+        op: -10 if op in NAMED_ONLY_ON_CUDA else CUDA_PRIORITY for op in TRITON_OPS}
     assert all(impl.priority < 0 for impl in mine if impl.platform == "cpu")
 
 
 def test_cuda_picks_triton_by_priority(impls, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     ops = resolve_custom_ops(impls, "cuda", {})
-    # greedy_sample is named only on CUDA (its host launch cost: the plugin's docstring)
+    # greedy_sample and moe_route are named only on CUDA (the plugin's docstring)
     assert {op: ops.chosen[op] for op in TRITON_OPS} == {
-        op: "native" if op == "greedy_sample" else "triton" for op in TRITON_OPS}
-    assert resolve_custom_ops(impls, "cuda", {"greedy_sample": "triton"}).chosen["greedy_sample"] == "triton"
+        op: "native" if op in NAMED_ONLY_ON_CUDA else "triton" for op in TRITON_OPS}
+    for op in NAMED_ONLY_ON_CUDA:
+        assert resolve_custom_ops(impls, "cuda", {op: "triton"}).chosen[op] == "triton"
     # a plugin ranked below native runs only when named
     low = [dataclasses.replace(i, priority=-10) if i.name == "triton" else i for i in impls]
     assert resolve_custom_ops(low, "cuda", {}).chosen["rms_norm"] == "native"
