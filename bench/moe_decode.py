@@ -263,8 +263,13 @@ def run(ns: argparse.Namespace, engine: Engine, payload: dict, device: torch.dev
         report.add_ratios(rows[-1:], {"ratio": ("engine_ms", "peer_ms"), "step_floor": ("engine_ms", "floor_ms"),
                                       "replay_floor": ("replay_ms", "floor_ms")})
         payload.update(memory=memory_gb(device), verdicts=verdicts(rows))
-        report.write_result("moe-decode", ns.model, payload, ns.out, ns.device)
+        report.write_result("moe-decode", result_subject(ns), payload, ns.out, ns.device)
     return rows
+
+
+def result_subject(ns: argparse.Namespace) -> str:
+    """The result file's subject: the model, and any --custom-ops (two runs of one call keep apart)."""
+    return "-".join([ns.model, *(op.replace("=", "-") for op in ns.custom_ops)])
 
 
 def verdicts(rows: list[dict]) -> dict:

@@ -121,7 +121,10 @@ GROUPS: dict[str, list[Job]] = {
     "moe": [tests("moe-tests", "tests/plugins/moe_triton/test_moe_triton_gpu.py"), bench("moe-layer", "moe_layer")],
     "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
                                   "--budget", "420"))],
-    "moe-decode": [bench("moe-decode", "moe_decode")],  # one process: engine and peer share the ~61 GB of weights
+    "moe-decode": [bench("moe-decode", "moe_decode")],
+    # the fused router (4a29b89) against the default, bs 1, one call: two processes, each with its peer
+    "moe-route-ab": [bench("moe-decode-native-route", "moe_decode --batch-sizes 1 --rounds 5"),
+                     bench("moe-decode-triton-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=triton")],  # one process: engine and peer share the ~61 GB of weights
     "quant-decode": [bench("quant-decode-8b", "decode --models llama-3.1-8b --backends triton --variants overlap fp8 fp8-block "
                            "--batch-sizes 1 32 --rounds 3 --no-peer --profile 1"),
                      bench("fp8-kv-8b", "decode --models llama-3.1-8b --backends triton flashinfer --variants overlap "

@@ -115,3 +115,12 @@ def test_custom_ops_reach_the_engine_and_the_result(tmp_path):
     (path,) = tmp_path.glob("moe-decode-tiny-cpu-*.json")
     doc = json.loads(path.read_text())
     assert doc["args"]["custom_ops"] == ["moe_route=native"] and doc["backends"]["custom_ops"]["moe_route"] == "native"
+
+
+def test_runs_with_other_custom_ops_write_apart():
+    """bench.run's moe-route-ab runs the bench twice into one folder: the result files must differ."""
+    from bench import moe_decode
+
+    plain = moe_decode.result_subject(moe_decode.parse_args([]))
+    fused = moe_decode.result_subject(moe_decode.parse_args(["--custom-ops", "moe_route=triton"]))
+    assert plain == "qwen3-30b-a3b" and fused != plain and "moe_route" in fused
