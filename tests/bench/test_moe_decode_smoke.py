@@ -112,7 +112,7 @@ def test_custom_ops_reach_the_engine_and_the_result(tmp_path):
     ns = moe_decode.parse_args(["--custom-ops", "moe_route=triton", "rms_norm=native"])
     assert moe_decode.engine_settings(ns, tmp_path)["custom_ops"] == ["moe_route=triton", "rms_norm=native"]
     moe_decode.main([*TINY, "--batch-sizes", "1", "--custom-ops", "moe_route=native", "--out", str(tmp_path)])
-    (path,) = tmp_path.glob("moe-decode-tiny-cpu-*.json")
+    (path,) = tmp_path.glob("moe-decode-tiny-moe_route-native-cpu-*.json")
     doc = json.loads(path.read_text())
     assert doc["args"]["custom_ops"] == ["moe_route=native"] and doc["backends"]["custom_ops"]["moe_route"] == "native"
 
