@@ -25,7 +25,9 @@ class _Node:
 def test_freezing_moves_the_live_heap_out_of_collections_and_later_cycles_still_go(unfrozen):
     alive = [_Node() for _ in range(1000)]  # long-lived startup objects
     frozen = freeze_startup_heap()
-    assert frozen >= len(alive) and gc.get_freeze_count() == frozen
+    # frozen objects that die leave the permanent generation: the count can only fall after the freeze
+    # (it fell by 2 in a fresh-clone CI run, other tests' objects freed in between)
+    assert frozen >= len(alive) and len(alive) <= gc.get_freeze_count() <= frozen
     assert not any(node is obj for obj in gc.get_objects() for node in alive[:3])  # not tracked for scanning
     a, b = _Node(), _Node()  # a cycle made after startup
     a.other, b.other = b, a
