@@ -123,7 +123,7 @@ GROUPS: dict[str, list[Job]] = {
                                   "--budget", "420"))],
     "moe-decode": [bench("moe-decode", "moe_decode")],
     # the fused router (4a29b89) against the default, bs 1, one call: two processes, each with its peer
-    "moe-route-ab": [bench("moe-decode-native-route", "moe_decode --batch-sizes 1 --rounds 5"),
+    "moe-route-ab": [bench("moe-decode-native-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=native"),
                      bench("moe-decode-triton-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=triton")],  # one process: engine and peer share the ~61 GB of weights
     "quant-decode": [bench("quant-decode-8b", "decode --models llama-3.1-8b --backends triton --variants overlap fp8 fp8-block "
                            "--batch-sizes 1 32 --rounds 3 --no-peer --profile 1"),

@@ -214,7 +214,7 @@ def test_generation_with_the_triton_ops_equals_native(mode):
     assert same >= len(want) - 1, f"{same}/{len(want)} identical"
 
 
-# -- moe_route (named only on CUDA: --custom-ops moe_route=triton) --------------------------------------
+# -- moe_route (the default on CUDA since the A/B of 2026-12-07; --custom-ops moe_route=native for the old) --
 
 
 def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
