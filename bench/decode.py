@@ -33,6 +33,7 @@ VARIANTS = {  # name -> the Engine settings that differ from the default engine
     "fp8-block": {"quantization": "fp8", "plugin_options": {"fp8": {"online_block": "128x128"}}},  # DeepSeek's blocks
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
 }
+DEFAULT_VARIANTS = ("overlap", "no-overlap")
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("variant", "variant", ""), ("bs", "batch_size", "d"),
            ("peer ms", "peer_ms", ".3f"), ("engine ms", "engine_ms", ".3f"), ("engine/peer", "ratio", ".2f"),
            ("/first variant", "vs_first", ".2f"),
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.parser(__doc__)
     p.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     p.add_argument("--backends", nargs="+", default=["triton", "flashinfer"])
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["overlap", "no-overlap"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(DEFAULT_VARIANTS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
@@ -105,6 +106,14 @@ def add_peer(ns: argparse.Namespace, model: str, rows: list[dict]) -> None:
                              "step_floor": ("engine_ms", "floor_ms")})
 
 
+def result_subject(ns: argparse.Namespace, model: str) -> str:
+    """The result file's subject: the model, and the variants unless they are the default pair, so two
+    runs of one call with other variants (bench.run's quant-decode: FP8 weights, then FP8 KV) keep
+    both files."""
+    variants = tuple(ns.variants)
+    return model if variants == DEFAULT_VARIANTS else f"{model}-{'-'.join(variants)}"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ns = parse_args(argv)
     tb_s = copy_tb_s(ns.device)
@@ -117,10 +126,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             backend_rows, captures[backend] = steps.with_engines(settings, lambda e: measure_engines(ns, e, tb_s))
             rows += [r | {"model": model, "backend": backend} for r in backend_rows]
             payload = {"args": vars(ns), "copy_tb_s": tb_s, "captures": captures, "rows": rows}
-            report.write_result("decode", model, payload, ns.out, ns.device)  # a run cut short keeps these
+            report.write_result("decode", result_subject(ns, model), payload, ns.out, ns.device)  # a run cut short keeps these
         if not ns.no_peer:
             add_peer(ns, model, rows)
-        report.write_result("decode", model, payload, ns.out, ns.device)
+        report.write_result("decode", result_subject(ns, model), payload, ns.out, ns.device)
         all_rows += rows
     profiles = [r | r["profile"] for r in all_rows if r.get("profile")]
     print(report.table(profiles, PROFILE_COLUMNS, "one step under the profiler (top kernels and idle gaps: the JSON)"))

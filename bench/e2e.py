@@ -41,7 +41,7 @@ import torch
 
 from backplane import Engine, SamplingParams
 from bench import report, steps, timing
-from bench.timing import MATMUL_PEAK_FLOP_S, copy_tb_s, sync
+from bench.timing import MATMUL_PEAK_FLOP_S, copy_tb_s, matmul_peak_flop_s, sync
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
 COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("quant", "quantization", ""), ("cache", "cache", ""),
@@ -101,19 +101,21 @@ def workload(ns: argparse.Namespace, kind: str, vocab: int) -> tuple[list[list[i
     return prompts([n for n, _ in lengths], vocab), [n for _, n in lengths]
 
 
-def floor_seconds(lengths: list[tuple[int, int]], weights: int, kv_per_token: int, matmul_params: int, tb_s: float) -> float:
-    """Decode: one weight read per step plus the running requests' KV at tb_s; prefill: 2 x params x tokens FLOPs."""
-    return sum(floor_parts(lengths, weights, kv_per_token, matmul_params, tb_s).values())
+def floor_seconds(lengths: list[tuple[int, int]], weights: int, kv_per_token: int, matmul_params: int, tb_s: float,
+                  matmul_peak: float = MATMUL_PEAK_FLOP_S) -> float:
+    """Decode: one weight read per step plus the running requests' KV at tb_s; prefill: 2 x params x
+    tokens FLOPs at matmul_peak (FLOP/s)."""
+    return sum(floor_parts(lengths, weights, kv_per_token, matmul_params, tb_s, matmul_peak).values())
 
 
 def floor_parts(lengths: list[tuple[int, int]], weights: int, kv_per_token: int, matmul_params: int,
-                tb_s: float) -> dict[str, float]:
+                tb_s: float, matmul_peak: float = MATMUL_PEAK_FLOP_S) -> dict[str, float]:
     """{"decode": seconds, "prefill": seconds} of the floor of (input, output) lengths, all requests in
     one batch: decode step k runs every request with more than k + 1 output tokens (the first comes
     from the prefill) over its input + 1 + k tokens of KV; the prefill computes every input token."""
     decode = sum(decode_floor_s(sum(n_in + 1 + step for n_in, n_out in lengths if n_out - 1 > step), weights, kv_per_token, tb_s)
                  for step in range(max(n_out for _, n_out in lengths) - 1))
-    return {"decode": decode, "prefill": prefill_floor_s(sum(n_in for n_in, _ in lengths), matmul_params)}
+    return {"decode": decode, "prefill": prefill_floor_s(sum(n_in for n_in, _ in lengths), matmul_params, matmul_peak)}
 
 
 def decode_floor_s(context_tokens: int, weights: int, kv_per_token: int, tb_s: float) -> float:
@@ -121,16 +123,17 @@ def decode_floor_s(context_tokens: int, weights: int, kv_per_token: int, tb_s: f
     return (weights + kv_per_token * context_tokens) / (tb_s * 1e12)
 
 
-def prefill_floor_s(tokens: int, matmul_params: int) -> float:
-    """A prefill of `tokens` tokens: 2 x matmul_params FLOPs each at the matmul peak."""
-    return 2.0 * matmul_params * tokens / MATMUL_PEAK_FLOP_S
+def prefill_floor_s(tokens: int, matmul_params: int, matmul_peak: float = MATMUL_PEAK_FLOP_S) -> float:
+    """A prefill of `tokens` tokens: 2 x matmul_params FLOPs each at the matmul peak (FP8's for an FP8 model)."""
+    return 2.0 * matmul_params * tokens / matmul_peak
 
 
 def floor_sizes(engine: Engine, tb_s: float) -> dict:
     """The floor's sizes of an engine's model (floor_seconds' keywords after `lengths`)."""
     runner = engine.runner
     kv_per_token, matmul_params = model_sizes(runner.hf_config, runner.token_to_kv_pool.k_buffers[0].element_size())
-    return {"weights": weight_bytes(runner.model), "kv_per_token": kv_per_token, "matmul_params": matmul_params, "tb_s": tb_s}
+    return {"weights": weight_bytes(runner.model), "kv_per_token": kv_per_token, "matmul_params": matmul_params, "tb_s": tb_s,
+            "matmul_peak": matmul_peak_flop_s(engine)}
 
 
 def timed_run(engine: Engine, batch: list[list[int]], params: list[SamplingParams]) -> tuple[float, list, int]:
@@ -220,7 +223,8 @@ class StepTags:
             return self._prefill(reqs, chunks)
         tokens = sum(chunks)
         self.steps[-1].update(kind="prefill", batch=len(reqs), tokens=tokens,
-                              floor_s=prefill_floor_s(tokens, self.sizes["matmul_params"]))
+                              floor_s=prefill_floor_s(tokens, self.sizes["matmul_params"],
+                                                      self.sizes.get("matmul_peak", MATMUL_PEAK_FLOP_S)))
         with torch.profiler.record_function(LAUNCH["prefill"]):
             return self._prefill(reqs, chunks)
 

@@ -20,7 +20,7 @@ import torch
 
 from backplane import Engine
 from bench import peer, report, steps
-from bench.timing import MATMUL_PEAK_FLOP_S
+from bench.timing import MATMUL_PEAK_FLOP_S, matmul_peak_flop_s
 from bench.workload import model_sizes, prompts
 
 COLUMNS = [("model", "model", ""), ("backend", "backend", ""), ("quant", "quantization", ""), ("bs", "batch_size", "d"), ("length", "length", "d"),
@@ -60,13 +60,14 @@ def engine_prefill_ms(engine: Engine, bs: int, length: int, repeats: int) -> flo
     return statistics.median(times[1:])
 
 
-def floor_ms(config, bs: int, length: int) -> float:
-    """The prefill's matmul FLOPs and its causal attention's at MATMUL_PEAK_FLOP_S."""
+def floor_ms(config, bs: int, length: int, linear_peak: float = MATMUL_PEAK_FLOP_S) -> float:
+    """The prefill's linear FLOPs at linear_peak (FP8's for FP8 weights) and its causal attention's at
+    MATMUL_PEAK_FLOP_S (bf16)."""
     _, params = model_sizes(config)
     from backplane.models.config_utils import head_dim_of
 
     attention = 4 * config.num_attention_heads * head_dim_of(config) * length * (length + 1) / 2 * config.num_hidden_layers
-    return (2 * params * length + attention) * bs / MATMUL_PEAK_FLOP_S * 1e3
+    return (2 * params * length / linear_peak + attention / MATMUL_PEAK_FLOP_S) * bs * 1e3
 
 
 def cached_probe(engine: Engine, prefix: int, suffix: int, repeats: int) -> dict:
@@ -96,7 +97,7 @@ def engine_settings(ns: argparse.Namespace, model: str, backend: str, quantizati
 def measure_engine(ns: argparse.Namespace, engine: Engine) -> tuple[list[dict], dict | None]:
     """One engine's rows (one per case) and its cached-prefix probe (None with --probe 0 0)."""
     rows = [{"batch_size": bs, "length": n, "engine_ms": engine_prefill_ms(engine, bs, n, ns.repeats),
-             "floor_ms": floor_ms(engine.runner.hf_config, bs, n)} for bs, n in ns.cases]
+             "floor_ms": floor_ms(engine.runner.hf_config, bs, n, matmul_peak_flop_s(engine))} for bs, n in ns.cases]
     return rows, cached_probe(engine, *ns.probe, ns.repeats) if all(ns.probe) else None
 
 

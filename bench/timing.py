@@ -16,7 +16,17 @@ import torch
 L2_FLUSH_BYTES = 256 << 20  # more than any current GPU's L2 (50-60 MB on the H100 and H200)
 H200_COPY_TB_S = 4.30  # device-to-device copy, bytes read + written (../shared/device/README.md)
 MATMUL_PEAK_FLOP_S = 680e12  # bf16 8192^3 matmul on the H200, the lower end of the measured range
+# NOTE: not measured: the bf16 figure above times Hopper's datasheet ratio of dense FP8 to bf16
+# tensor-core throughput (2:1). The floors of FP8-weight prefills count their linears at this peak.
+FP8_MATMUL_PEAK_FLOP_S = 2 * MATMUL_PEAK_FLOP_S
 T = TypeVar("T")
+
+
+def matmul_peak_flop_s(engine) -> float:
+    """The peak an engine's linear layers run at: FP8's where its quantization method is an FP8 one
+    (`--quantization fp8`, FP8 checkpoints), else bf16's."""
+    choice = getattr(engine.runner, "quant_choice", None)
+    return FP8_MATMUL_PEAK_FLOP_S if choice is not None and choice.spec.name.startswith("fp8") else MATMUL_PEAK_FLOP_S
 
 
 def sync(device: torch.device | str) -> None:

@@ -42,3 +42,12 @@ def test_a_decode_run_sets_each_variant_beside_the_peer(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert doc["meta"]["card"] == "cpu" and len(doc["rows"]) == 4 and set(doc["captures"]["torch_native"]) == {"overlap", "no-overlap"}
     assert "engine/peer" in capsys.readouterr().out
+
+
+def test_result_files_of_other_variants_carry_them_in_their_name():
+    """bench.run's quant-decode runs the bench twice in one folder (FP8 weights, then FP8 KV): at
+    cf1fa80 the second run's file replaced the first's."""
+    default = decode.result_subject(decode.parse_args([]), "llama-3.1-8b")
+    weights = decode.result_subject(decode.parse_args(["--variants", "overlap", "fp8", "fp8-block"]), "llama-3.1-8b")
+    kv = decode.result_subject(decode.parse_args(["--variants", "overlap", "fp8-kv"]), "llama-3.1-8b")
+    assert default == "llama-3.1-8b" and weights == "llama-3.1-8b-overlap-fp8-fp8-block" and kv == "llama-3.1-8b-overlap-fp8-kv"

@@ -48,3 +48,28 @@ def test_e2e_builds_an_engine_per_extend_graph_setting_and_sets_their_gain_side_
     assert built == [False, True] and [r["extend_graph"] for r in rows] == ["on", "off"]
     assert e2e.gains(rows, "extend_graph") == ["fixed triton (cache on): extend_graph on / off = 1.50x (prefill tokens 8 / 8)"]
     assert e2e.gains(rows, "cache") == []
+
+
+def test_an_fp8_models_prefill_floor_counts_its_linears_at_the_fp8_peak():
+    """At cf1fa80 the FP8 engine's floor used the bf16 peak, so its e2e run read 99% of a floor it
+    could beat: the linears of an FP8 model run at the FP8 peak, its attention at bf16's."""
+    from types import SimpleNamespace
+
+    from bench import prefill
+    from bench.timing import FP8_MATMUL_PEAK_FLOP_S, MATMUL_PEAK_FLOP_S, matmul_peak_flop_s
+
+    def engine(name):
+        choice = None if name is None else SimpleNamespace(spec=SimpleNamespace(name=name))
+        return SimpleNamespace(runner=SimpleNamespace(quant_choice=choice))
+
+    assert matmul_peak_flop_s(engine(None)) == MATMUL_PEAK_FLOP_S
+    assert matmul_peak_flop_s(engine("fp8")) == FP8_MATMUL_PEAK_FLOP_S == 2 * MATMUL_PEAK_FLOP_S
+    assert matmul_peak_flop_s(engine("int4-awq")) == MATMUL_PEAK_FLOP_S
+    bf16 = e2e.floor_parts([(2, 3), (5, 1)], 100, 10, 1000, 1e-12)
+    fp8 = e2e.floor_parts([(2, 3), (5, 1)], 100, 10, 1000, 1e-12, FP8_MATMUL_PEAK_FLOP_S)
+    assert fp8["prefill"] == pytest.approx(bf16["prefill"] / 2) and fp8["decode"] == bf16["decode"]
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16, num_hidden_layers=2,
+                             intermediate_size=128, vocab_size=100, tie_word_embeddings=False)
+    whole, half_linears = prefill.floor_ms(config, 2, 8), prefill.floor_ms(config, 2, 8, FP8_MATMUL_PEAK_FLOP_S)
+    attention = 4 * 4 * 16 * 8 * 9 / 2 * 2 * 2 / MATMUL_PEAK_FLOP_S * 1e3  # the causal attention's part stays at bf16
+    assert half_linears == pytest.approx((whole - attention) / 2 + attention)
