@@ -122,6 +122,11 @@ GROUPS: dict[str, list[Job]] = {
     "moe-tune": [Job("moe-tune", ("-m", "backplane.plugins.moe_triton.tune", "--out", "{out}/moe_triton_configs.json",
                                   "--budget", "420"))],
     "moe-decode": [bench("moe-decode", "moe_decode")],
+    # bs 1 profiled on the bundled launch table, then on one the quick tune writes first (one call, one model at a time)
+    "moe-bs1": [Job("moe-bs1-tune", ("-m", "backplane.plugins.moe_triton.tune", "--shapes", "qwen3-30b-a3b", "--tokens",
+                                     "1", "2", "4", "8", "16", "32", "--budget", "150", "--out", "{out}/moe_triton_configs.json")),
+                bench("moe-bs1-bundled", "moe_decode --batch-sizes 1 --rounds 5 --profile 1"),
+                bench("moe-bs1-tuned", "moe_decode --batch-sizes 1 --rounds 5 --profile 1 --moe-configs {out}/moe_triton_configs.json")],
     # the fused router (4a29b89) against the default, bs 1, one call: two processes, each with its peer
     "moe-route-ab": [bench("moe-decode-native-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=native"),
                      bench("moe-decode-triton-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=triton")],  # one process: engine and peer share the ~61 GB of weights
