@@ -80,6 +80,11 @@ GROUPS: dict[str, list[Job]] = {
               tests("tests-graph-memory", GPU("graph_runner"), GPU("spec"), k=SERIAL)],
     "matrix": matrix_shards(int(os.environ.get("BACKPLANE_MATRIX_JOBS", "4"))),  # shards side by side on the one GPU
     "kernels": [bench("attention", "attention --sweep"), bench("lora-kernels", "lora_kernels"), bench("ops", "ops")],
+    # the FP8 KV cache's decode kernel (triton's launch settings swept) against the bf16 pool's, one call
+    "fp8-kv-attn": [tests("fp8-kv-attn-tests", "tests/attention/test_fp8_kv_decode_gpu.py"),
+                    bench("attention-bf16-kv", "attention --only decode --decode-cases 8x16384 1x16384 32x4096 64x2048"),
+                    bench("attention-fp8-kv", "attention --only decode --kv-dtype fp8_e4m3 --sweep --decode-cases "
+                          "8x16384 1x16384 32x4096 64x2048")],
     "attention-1b": [bench("attention-hd64", "attention --only decode --sweep --head-dim 64 --decode-cases 1x512 8x512 "
                            "32x512 32x2048")],
     "ops": [tests("ops-tests", GPU("ops_triton")), bench("ops", "ops")],

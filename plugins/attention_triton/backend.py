@@ -43,7 +43,8 @@ class TritonAttnBackend(AttentionBackend):
         if self.options.num_kv_splits > 0:
             return self.options.num_kv_splits
         return choose_num_kv_splits(
-            batch_size, self.ctx.num_kv_heads, max_kv_len, self.device, self.options.max_kv_splits
+            batch_size, self.ctx.num_kv_heads, max_kv_len, self.device, self.options.max_kv_splits,
+            kv_bytes=self.kv_pool.dtype.itemsize,
         )
 
     def uses_split_verify(self, tokens_per_request: int) -> bool:

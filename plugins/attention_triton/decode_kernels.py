@@ -184,12 +184,14 @@ def decode_attention(
       >= num_kv_splits] fp32, scratch buffers (allocated here when None; pass fixed ones for graphs)
     merge_counters: [>= bs * num_kv_heads] int32, zero, caller-owned (every launch leaves it zero):
       with at most FUSED_MERGE_MAX_SPLITS splits the merge runs inside the first kernel (one launch)
+    config: launch settings; None takes decode_config(head_dim, device, the K/V element size), so an
+      FP8 pool gets its own (more keys a step)
     k_scale, v_scale: what the stored keys and values are multiplied by (an FP8 pool's layer scales)
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads, v_dim = k_buffer.shape[1], v_buffer.shape[2]
     assert q.stride(2) == k_buffer.stride(2) == v_buffer.stride(2) == 1, "head_dim must be contiguous"
-    cfg = config or decode_config(head_dim, q.device)
+    cfg = config or decode_config(head_dim, q.device, k_buffer.element_size())
     if attn_logits is None:
         attn_logits = torch.empty((bs, num_heads, num_kv_splits, v_dim), dtype=torch.float32, device=q.device)
     if attn_lse is None:

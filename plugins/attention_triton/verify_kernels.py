@@ -117,6 +117,7 @@ def verify_attention(
       ([bs + 1] int64); None for causal
     attn_logits: [>= bs * tokens_per_request, num_heads, >= num_kv_splits, v_dim] fp32 and attn_lse:
       [>= bs * tokens_per_request, num_heads, >= num_kv_splits] fp32 (pass fixed ones for graphs)
+    config: launch settings; None takes decode_config's for the K/V element size (up to 32 rows a group)
     k_scale, v_scale: what the stored keys and values are multiplied by (an FP8 pool's layer scales)
     """
     bs, q_len = seq_lens.shape[0], tokens_per_request
@@ -129,7 +130,10 @@ def verify_attention(
         raise ValueError(f"verify attention: {q_len} tokens x {group} heads per KV head exceed 128 rows")
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("verify attention: expected custom_mask and mask_indptr together")
-    cfg = config or decode_config(head_dim, q.device)
+    block_h = max(16, triton.next_power_of_2(q_len * group))
+    # NOTE: the K/V element size picks the settings (decode_config) only up to 32 rows: beyond, a
+    # 128-key fp32 score tile beside the accumulator risks spilling registers at 4 warps (unmeasured).
+    cfg = config or decode_config(head_dim, q.device, k_buffer.element_size() if block_h <= 32 else 2)
     if attn_logits is None:
         attn_logits = torch.empty((num_tokens, num_heads, num_kv_splits, v_dim), dtype=torch.float32, device=q.device)
     if attn_lse is None:
@@ -145,7 +149,7 @@ def verify_attention(
         v_buffer.stride(1), req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
         attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(q_len * group)), BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split, HAS_MASK=has_mask, USE_SOFTCAP=softcap > 0,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -257,7 +257,8 @@ def test_torch_native_fp8_is_the_dequantized_cache():
         assert torch.equal(stored, quantize_fp8(k, K_SCALE))
 
 
-def _triton_backend(ctx):
+def _interpreted_triton() -> None:
+    """Skip unless on CPU; the triton plugin's kernel modules defined under the interpreter."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("interpreter tests run on CPU-only machines (tests/gpu/test_fp8_kv_gpu.py covers CUDA)")
@@ -266,6 +267,10 @@ def _triton_backend(ctx):
         if module is not None and not getattr(module, "_fp8_interpreted", False):
             importlib.reload(module)  # NOTE: defined before TRITON_INTERPRET was set: interpret them now
             module._fp8_interpreted = True
+
+
+def _triton_backend(ctx):
+    _interpreted_triton()
     from backplane.plugins import attention_triton
 
     specs = []
@@ -295,6 +300,132 @@ def test_triton_interpreted_matches_torch_native_over_fp8(options):
         want = run(reference, batch, q, k, v)
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=f"{mode.value}")
         assert not triton_backend.fuses_rotary_kv_write(batch)
+
+
+# -- the triton kernels' launch settings for 1-byte K/V ------------------------------------------------
+
+HOPPER, A100, ADA = (9, 0), (8, 0), (8, 9)
+CUDA = torch.device("cuda")  # a name only: decode_config asks the (monkeypatched) capability
+
+
+@pytest.fixture
+def cuda_capability(monkeypatch):
+    """Sets the compute capability torch reports (decode_config's cache cleared around it)."""
+    from backplane.plugins.attention_triton import configs
+
+    def set_capability(capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        configs.decode_config.cache_clear()
+
+    yield set_capability
+    configs.decode_config.cache_clear()
+
+
+def test_decode_config_takes_128_keys_a_step_for_fp8_kv_on_hopper(cuda_capability):
+    """Hopper: 1-byte K/V get 128 keys a step, the same 128 KB of K and V stages as bf16's 64 keys;
+    2-byte K/V (and the old two-argument call) keep 64. Ampere, Ada, head dims over 128 and the
+    interpreter ignore the element size."""
+    from backplane.plugins.attention_triton.configs import DecodeConfig, decode_config
+
+    cuda_capability(HOPPER)
+    fp8, bf16 = decode_config(128, CUDA, 1), decode_config(128, CUDA, 2)
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.min_split) == (128, 4, 4, 128)
+    assert bf16 == decode_config(128, CUDA) == DecodeConfig(block_n=64, num_warps=4, num_stages=4, min_split=128)
+    for cfg, kv_bytes in ((fp8, 1), (bf16, 2)):  # stages x keys x head dim x bytes x (K and V)
+        assert cfg.num_stages * cfg.block_n * 128 * kv_bytes * 2 == 128 << 10
+    assert decode_config(64, CUDA, 1).block_n == 128 and decode_config(64, CUDA, 2).block_n == 64
+    assert decode_config(256, CUDA, 1) == decode_config(256, CUDA, 2) == DecodeConfig(block_n=32, num_stages=2)
+    cuda_capability(A100)
+    assert decode_config(128, CUDA, 1) == decode_config(128, CUDA, 2) == DecodeConfig()
+    cuda_capability(ADA)
+    assert decode_config(128, CUDA, 1) == decode_config(128, CUDA) == DecodeConfig(num_stages=2)
+    cpu = torch.device("cpu")
+    assert decode_config(128, cpu, 1) == decode_config(128, cpu) == DecodeConfig(block_n=32, min_split=64, num_stages=1)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Plain attention of one query token over all keys. q: [H, D]; keys, values: [S, Hkv, D] -> [H, D]."""
+    group = q.shape[0] // keys.shape[1]
+    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    probs = torch.softmax(torch.einsum("hd,shd->hs", q, k) * scaling, -1)
+    return torch.einsum("hs,shd->hd", probs, v)
+
+
+@pytest.mark.parametrize("splits,counters", [(1, True), (3, True), (4, False), (9, True)],
+                         ids=["1-split", "3-splits-merged-in-kernel", "4-splits-merge-kernel", "9-splits"])
+def test_interpreted_fp8_decode_at_hoppers_settings_matches_the_dequantized_cache(cuda_capability, splits, counters):
+    """The decode kernel over a shuffled FP8 pool with Hopper's 1-byte settings (128 keys a step,
+    min_split 128) equals attention over the dequantized values, for lengths of 1, under, over and
+    one past a multiple of 128. The scratch starts as NaN outputs with log-sum-exps of 100: a slice
+    the merge reads but the first kernel never wrote (split geometry disagreeing between the two)
+    shows up in the result."""
+    _interpreted_triton()
+    from backplane.plugins.attention_triton.configs import decode_config
+    from backplane.plugins.attention_triton.decode_kernels import decode_attention
+
+    cuda_capability(HOPPER)
+    cfg = decode_config(HEAD_DIM, CUDA, 1)
+    gen = torch.Generator().manual_seed(splits)
+    seq_lens = [1, 127, 300, 257, 129]
+    num_slots = sum(seq_lens) + 11
+    k_buf, v_buf = (quantize_fp8(torch.randn(num_slots + 1, KV_HEADS, HEAD_DIM, generator=gen), s)
+                    for s in (K_SCALE, V_SCALE))
+    slots = torch.randperm(num_slots, generator=gen)[:sum(seq_lens)] + 1
+    req_to_token = torch.zeros(len(seq_lens) + 2, max(seq_lens) + 5, dtype=torch.int32)
+    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[:len(seq_lens)]
+    for row, chunk in zip(rows, slots.split(seq_lens)):
+        req_to_token[row, :len(chunk)] = chunk.int()
+    bs = len(seq_lens)
+    q = torch.randn(bs, HEADS, HEAD_DIM, generator=gen)
+    logits = torch.full((bs, HEADS, splits, HEAD_DIM), float("nan"))
+    lse = torch.full((bs, HEADS, splits), 100.0)
+    merge_counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32) if counters else None
+    o = decode_attention(q, k_buf, v_buf, torch.empty_like(q), req_to_token, rows, torch.tensor(seq_lens), 0.2,
+                         splits, attn_logits=logits, attn_lse=lse, config=cfg, merge_counters=merge_counters,
+                         k_scale=K_SCALE, v_scale=V_SCALE)
+    for b, n in enumerate(seq_lens):
+        used = req_to_token[rows[b], :n].long()
+        want = attend(q[b], dequantize_kv(k_buf[used], K_SCALE), dequantize_kv(v_buf[used], V_SCALE), 0.2)
+        torch.testing.assert_close(o[b], want, atol=2e-4, rtol=2e-4, msg=f"request {b} of {n} keys")
+    if merge_counters is not None:
+        assert not merge_counters.any(), "a merge counter was left armed"
+
+
+def test_triton_backend_over_fp8_takes_the_1_byte_settings(monkeypatch, cuda_capability):
+    """Through the backend, decode and split verify ask decode_config for 1-byte K/V (and the split
+    heuristic is told the pool's element size); with Hopper's answer (128 keys a step) every mode
+    over the FP8 pool equals torch_native over it."""
+    from backplane.plugins.attention_triton.options import TritonAttentionOptions
+
+    world = World([0, 5, 200], seed=4)
+    triton_backend = _triton_backend(world.context("fp8", TritonAttentionOptions(verify_kernel="split")))
+    from backplane.plugins.attention_triton import backend as backend_module
+    from backplane.plugins.attention_triton import configs, decode_kernels, verify_kernels
+
+    cuda_capability(HOPPER)
+    asked, told = [], []
+
+    def hopper_config(head_dim, device, kv_bytes=2):
+        asked.append(kv_bytes)
+        return configs.decode_config(head_dim, CUDA, kv_bytes)
+
+    def choose_splits(*args, **kwargs):
+        told.append(kwargs.get("kv_bytes"))
+        return configs.choose_num_kv_splits(*args, **kwargs)
+
+    for module in (decode_kernels, verify_kernels):
+        monkeypatch.setattr(module, "decode_config", hopper_config)
+    monkeypatch.setattr(backend_module, "choose_num_kv_splits", choose_splits)
+    reference = TorchNativeAttnBackend(None)
+    for mode, new_lens, masked in STEPS:
+        batch = world.step(mode, new_lens, masked)["fp8"]
+        n = sum(new_lens)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=world.gen)
+        k, v = world.random_kv(n)
+        torch.testing.assert_close(run(triton_backend, batch, q, k, v), run(reference, batch, q, k, v),
+                                   atol=2e-4, rtol=2e-4, msg=f"{mode.value}")
+    assert asked == [1, 1], "decode and the split verify: the settings for 1-byte K/V"
+    assert told and set(told) == {1}
 
 
 class _Recorder:
