@@ -172,7 +172,8 @@ def flashinfer_row(fi, w: Workload, workspace, kind: str, case: str, fi_kind: st
 
 
 def bench_case(fi, workspace, kind: str, batch: int, prefix: int, new: int, ns: argparse.Namespace) -> list[dict]:
-    """One case: triton with its default launch settings, the sweep's best (--sweep), FlashInfer's."""
+    """One case: triton with its default launch settings (over an FP8 pool also with bf16's, the
+    settings before they depended on the element size), the sweep's best (--sweep), FlashInfer's."""
     from backplane.plugins.attention_triton.configs import choose_num_kv_splits, decode_config, extend_config
 
     w, device = Workload(batch, prefix, new, ns.head_dim, kv_dtype=KV_DTYPES[ns.kv_dtype]), torch.device("cuda")
@@ -183,6 +184,10 @@ def bench_case(fi, workspace, kind: str, batch: int, prefix: int, new: int, ns: 
     fn = triton_decode(w, splits) if kind == "decode" else triton_extend(w)
     reference = fn().clone()
     rows = [measure(w, kind, case, "triton", fn, None, f"splits={splits} {cfg}")]
+    if kind == "decode" and kv_bytes != 2:  # before/after: the 2-byte settings over the same data
+        old = decode_config(ns.head_dim, device, 2)
+        rows.append(measure(w, kind, case, "triton-2B-settings", triton_decode(w, splits, old), reference,
+                            f"splits={splits} {old}"))
     if ns.sweep:
         rows.append(sweep(w, kind, case, reference, splits))
     fi_kinds = (["decode", "decode-tc"] if kind == "decode" else ["prefill"]) if fi else []
