@@ -28,10 +28,22 @@ bs 32), its reduce-overhead graph pool (at bs 32 one layer's gathered expert wei
 and its eager prefill's dense experts in chunks of 512 tokens; Dynamo and the graph pools are reset
 between batch sizes. Peak about 70 GB; the JSON records it.
 
+--profile BS...: one engine step at each of those batch sizes under torch.profiler (bench/steps.profile_step,
+after the timings): wall, kernel and idle ms, the top kernels and idle gaps, and every kernel grouped
+(KERNEL_GROUPS_MOE, by name: attention, dense gemm, moe align / gate_up / down / sum, router, norms and
+elementwise, other) with its time per step and per layer (divided by the model's layers) beside the
+group's share of the read floor (moe gate_up / down: the chosen experts' w13 / w2; attention: the KV;
+dense gemm: every other weight, the router's gate and the lm_head included, as their GEMMs are named
+alike). On CPU the profiler sees host ops only: they stand for the kernels (the names say less there).
+--moe-configs PATH: the moe_triton launch table to use (the engine's --triton-moe.configs) in place of
+the bundled one for this GPU, e.g. one `python -m backplane.plugins.moe_triton.tune` just wrote.
+
     python -m bench.moe_decode                                # bs 1 8 32, prompt 128, 64 steps, on CUDA
     python -m bench.moe_decode --batch-sizes 1 --rounds 5
     python -m bench.moe_decode --batch-sizes 1 --custom-ops moe_route=triton   # the one-kernel router
+    python -m bench.moe_decode --batch-sizes 1 --rounds 5 --profile 1 --moe-configs t.json   # where the step goes
     python -m bench.run moe-decode --budget 590               # the same, as bench/run.py's group
+    python -m bench.run moe-bs1 --budget 590                  # tune at 1-32 tokens, then bs 1 on both tables, profiled
     python -m bench.moe_decode --model tiny --device cpu --backend torch_native --no-compile   # the code path
 
 The peer's prefill, compile and check take most of a run (printed per batch size, `peer_check_s` in
@@ -53,7 +65,7 @@ import torch
 
 from backplane import Engine
 from bench import peer_moe, report, steps, workload
-from bench.timing import copy_tb_s, timed
+from bench.timing import KERNEL_GROUPS, copy_tb_s, timed
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
@@ -76,6 +88,25 @@ TARGET_RATIO, TARGET_FLOOR = 1.0, 1.6
 COLUMNS = [("bs", "batch_size", "d"), ("engine ms", "engine_ms", ".3f"), ("peer ms", "peer_ms", ".3f"),
            ("engine/peer", "ratio", ".2f"), ("replay ms", "replay_ms", ".3f"), ("floor ms", "floor_ms", ".3f"),
            ("step/floor", "step_floor", ".2f"), ("replay/floor", "replay_floor", ".2f"), ("check", "check", "")]
+# A kernel's (CUDA) or host op's (CPU) group: the first whose marks (lower case) its name contains. The
+# router's renormalising sum (moe_route=native) reads as "moe sum": the names are alike.
+KERNEL_GROUPS_MOE = (
+    ("moe align", ("_align_",)), ("moe gate_up", ("_gate_up_kernel",)), ("moe down", ("_down_kernel",)),
+    ("attention", dict(KERNEL_GROUPS)["attention"]),
+    ("router", ("moe_route", "topk", "softmax", "sort")),
+    ("moe sum", ("sum_functor", "aten::sum")),
+    ("dense gemm", (*dict(KERNEL_GROUPS)["gemm"], "gemv", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    ("norms and elementwise", ("norm", "rotary", "silu", "elementwise", "aten::mul", "aten::add", "aten::sub",
+                               "aten::div", "aten::rsqrt", "aten::pow", "aten::mean", "aten::neg", "aten::exp",
+                               "aten::sigmoid", "aten::cat", "aten::copy_", "aten::_to_copy")),
+)
+GROUP_NAMES = [name for name, _ in KERNEL_GROUPS_MOE] + ["other"]
+PROFILE_COLUMNS = [("bs", "batch_size", "d"), ("wall ms", "wall_ms", ".3f"), ("kernels ms", "kernel_ms", ".3f"),
+                   ("host or gaps ms", "host_or_gap_ms", ".3f"), ("launches", "launches", ".0f")]
+LAYER_COLUMNS = [("group", "group", ""), ("ms/step", "ms", ".3f"), ("us/layer", "us_per_layer", ".1f"),
+                 ("launches/layer", "launches_per_layer", ".1f"), ("share", "share", ".1%"),
+                 ("floor us/layer", "floor_us_per_layer", ".1f"), ("x floor", "x_floor", ".2f"),
+                 ("top kernel", "top", "")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,9 +122,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="run the peer eagerly (CPU smoke runs)")
     p.add_argument("--custom-ops", nargs="*", default=[], metavar="OP=IMPL",
                    help="--custom-ops of the engine (e.g. moe_route=triton); default: the engine's own choice")
+    p.add_argument("--profile", type=int, nargs="*", default=[], metavar="BS",
+                   help="profile one engine step at these batch sizes (of --batch-sizes): kernels, gaps, per-layer groups")
+    p.add_argument("--moe-configs", default=None, metavar="PATH",
+                   help="the moe_triton launch table (--triton-moe.configs); default: the bundled one of this GPU")
     ns = p.parse_args(argv)
     if ns.check_steps < 2 or ns.steps < 1 or ns.prompt < 1 or ns.rounds < 1 or min(ns.batch_sizes) < 1:
         p.error("expected --check-steps >= 2 and --steps, --prompt, --rounds, --batch-sizes >= 1")
+    if set(ns.profile) - set(ns.batch_sizes):
+        p.error(f"--profile: expected batch sizes among --batch-sizes {ns.batch_sizes}, got {ns.profile}")
     return ns
 
 
@@ -103,20 +140,31 @@ def engine_settings(ns: argparse.Namespace, model_dir: Path) -> dict:
                 moe_backend=ns.moe_backend, custom_ops=list(ns.custom_ops), max_running_requests=bs,
                 cuda_graph_bs=sorted(ns.batch_sizes),
                 max_total_tokens=2 * bs * (ns.prompt + ns.check_steps + ns.steps + 64),
-                chunked_prefill_size=max(bs * ns.prompt, 256))
+                chunked_prefill_size=max(bs * ns.prompt, 256),
+                plugin_options={"triton-moe": {"configs": ns.moe_configs}} if ns.moe_configs else None)
 
 
 # -- the floor ------------------------------------------------------------------------------------
+def _moe_layers(model) -> list:
+    return [module for module in model.modules() if getattr(module, "moe_info", None) is not None]
+
+
+def chosen_expert_bytes(model) -> dict[str, int]:
+    """{"moe gate_up": w13 bytes, "moe down": w2 bytes} of every MoE layer's top_k experts (one token's)."""
+    def chosen(module, weight):
+        return module.top_k * weight[0].numel() * weight.element_size()
+
+    layers = _moe_layers(model)
+    return {"moe gate_up": sum(chosen(m, m.w13_weight) for m in layers),
+            "moe down": sum(chosen(m, m.w2_weight) for m in layers)}
+
+
 def bs1_weight_bytes(model) -> int:
     """Bytes of the parameters one token's decode step reads: every MoE layer's router and its top_k
     experts (not all of them), one embedding row (the whole table when tied to the lm_head), the
     whole lm_head, everything else whole; each storage once."""
-    counted, total = set(), 0
-    for module in model.modules():
-        if getattr(module, "moe_info", None) is not None:
-            w13, w2 = module.w13_weight, module.w2_weight
-            total += module.top_k * (w13[0].numel() + w2[0].numel()) * w13.element_size()
-            counted |= {w13.data_ptr(), w2.data_ptr()}
+    counted = {w.data_ptr() for m in _moe_layers(model) for w in (m.w13_weight, m.w2_weight)}
+    total = sum(chosen_expert_bytes(model).values())
     embed = model.model.embed_tokens.weight
     if embed.data_ptr() != model.lm_head.weight.data_ptr():
         total += embed[0].numel() * embed.element_size()
@@ -134,11 +182,13 @@ def kv_bytes(model, tokens: float) -> float:
 
 
 def floor(ns: argparse.Namespace, model, tb_s: float) -> dict:
-    """The bs-1 step's read floor: weights read + the KV at the engine step's mean context."""
+    """The bs-1 step's read floor: weights read + the KV at the engine step's mean context; its bytes
+    by kernel group (group_bytes: the chosen experts' w13 and w2, the KV, every other weight)."""
     context = ns.prompt + 4 + ns.steps / 2  # engine_step_ms times steps 4 .. 4 + steps after the prompt
-    weights, kv = bs1_weight_bytes(model), kv_bytes(model, context)
+    weights, kv, experts = bs1_weight_bytes(model), kv_bytes(model, context), chosen_expert_bytes(model)
+    groups = {**experts, "attention": kv, "dense gemm": weights - sum(experts.values())}
     return {"weight_bytes": weights, "kv_bytes": kv, "mean_context": context, "total_weight_bytes":
-            workload.weight_bytes(model), "floor_ms": (weights + kv) / (tb_s * 1e12) * 1e3}
+            workload.weight_bytes(model), "floor_ms": (weights + kv) / (tb_s * 1e12) * 1e3, "group_bytes": groups}
 
 
 # -- the check --------------------------------------------------------------------------------------
@@ -249,17 +299,74 @@ def memory_gb(device: torch.device) -> dict:
             "card_gb": torch.cuda.get_device_properties(device).total_memory / 1e9}
 
 
+# -- the profile --------------------------------------------------------------------------------------
+def kernel_group(name: str) -> str:
+    """A kernel's or host op's group: the first of KERNEL_GROUPS_MOE whose marks its name contains, else "other"."""
+    lowered = name.lower()
+    return next((group for group, marks in KERNEL_GROUPS_MOE if any(m in lowered for m in marks)), "other")
+
+
+def per_layer(profile: dict, num_layers: int, group_bytes: dict | None, tb_s: float) -> list[dict]:
+    """profile_step's every kernel (profile["kernels"]) by group: one row per group of GROUP_NAMES, then
+    "all kernels" (their sum) and "idle or host" (the step's wall less it), each with ms per step, µs
+    and launches per layer (divided by num_layers), share of the step's wall time, the slowest kernel;
+    with group_bytes (bs 1), the group's read floor per layer and the time over it."""
+    rows = {g: {"group": g, "ms": 0.0, "launches": 0.0, "distinct": 0, "top": ""} for g in GROUP_NAMES}
+    for name, ms, count in profile["kernels"]:  # slowest first
+        row = rows[kernel_group(name)]
+        row.update(ms=row["ms"] + ms, launches=row["launches"] + count, distinct=row["distinct"] + 1,
+                   top=row["top"] or name[:60])
+    floors = {g: b / (tb_s * 1e6) / num_layers for g, b in (group_bytes or {}).items()}  # µs per layer
+    total = {"group": "all kernels", "ms": sum(r["ms"] for r in rows.values()),
+             "launches": sum(r["launches"] for r in rows.values()), "distinct": len(profile["kernels"]), "top": ""}
+    idle = {"group": "idle or host", "ms": profile["wall_ms"] - total["ms"], "launches": 0.0, "distinct": 0, "top": ""}
+    floors["all kernels"] = sum(floors.values()) if floors else None
+    out = [*rows.values(), total, idle]
+    for row in out:
+        row.update(us_per_layer=row["ms"] * 1e3 / num_layers, launches_per_layer=row["launches"] / num_layers,
+                   share=report.ratio(row["ms"], profile["wall_ms"]), floor_us_per_layer=floors.get(row["group"]))
+    return report.add_ratios(out, {"x_floor": ("us_per_layer", "floor_us_per_layer")})
+
+
+def profile_tables(rows: list[dict]) -> str:
+    """The profiled batch sizes: wall / kernel / idle ms, then per batch size its top kernels, idle
+    gaps and the per-layer groups."""
+    profiled = [r for r in rows if r.get("profile")]
+    parts = [report.table([{"batch_size": r["batch_size"], **r["profile"]} for r in profiled], PROFILE_COLUMNS,
+                          "one engine step under the profiler (every kernel and gap: the JSON's profile)")]
+    for r in profiled:
+        top = [{"name": n, "ms": ms, "count": c} for n, ms, c in r["profile"]["top_kernels"]]
+        gaps = [{"name": n, "ms": ms, "count": c} for n, ms, c in r["profile"]["top_gaps"]]
+        columns = [("name", "name", ""), ("ms/step", "ms", ".3f"), ("per step", "count", ".1f")]
+        parts += [report.table(top, columns, f"bs {r['batch_size']}: top kernels")]
+        parts += [report.table(gaps, columns, f"bs {r['batch_size']}: top idle gaps (between)")] if gaps else []
+        parts += [report.table(r["per_layer"], LAYER_COLUMNS, f"bs {r['batch_size']}: kernels by group, per layer "
+                               "(floor: bs 1's bytes of the group at the copy bandwidth)")]
+    return "\n\n".join(parts)
+
+
+def moe_table(engine: Engine) -> dict | None:
+    """The moe_triton launch table the engine's MoE backend reads: its file ("" for none: the rule of
+    thumb), whether tuned, its entries; None for another backend."""
+    table = getattr(engine.runner.model_ctx.moe_backend, "table", None)
+    return None if table is None else {"source": table.source, "tuned": table.tuned, "entries": len(table)}
+
+
 # -- the run ----------------------------------------------------------------------------------------
 def run(ns: argparse.Namespace, engine: Engine, payload: dict, device: torch.device) -> list[dict]:
     """Every batch size in turn, the result file rewritten after each (a run cut short keeps them)."""
     tb_s, model = payload["copy_tb_s"], engine.runner.model
     print(f"engine started in {payload['engine_start_s']:.0f} s", flush=True)
     payload.update(floor=floor(ns, model, tb_s), backends=engine.runner.backends_summary(),
-                   memory_after_engine=memory_gb(device))
+                   moe_table=moe_table(engine), memory_after_engine=memory_gb(device))
     rows = payload["rows"]
     for bs in ns.batch_sizes:
         rows.append(measure(ns, engine, bs, device))
         rows[-1]["floor_ms"] = payload["floor"]["floor_ms"] if bs == 1 else None  # the floor is bs 1's
+        if bs in ns.profile:
+            rows[-1]["profile"] = steps.profile_step(engine, bs, ns.prompt, every_kernel=True)
+            group_bytes = payload["floor"]["group_bytes"] if bs == 1 else None
+            rows[-1]["per_layer"] = per_layer(rows[-1]["profile"], model.num_layers, group_bytes, tb_s)
         report.add_ratios(rows[-1:], {"ratio": ("engine_ms", "peer_ms"), "step_floor": ("engine_ms", "floor_ms"),
                                       "replay_floor": ("replay_ms", "floor_ms")})
         payload.update(memory=memory_gb(device), verdicts=verdicts(rows))
@@ -268,8 +375,9 @@ def run(ns: argparse.Namespace, engine: Engine, payload: dict, device: torch.dev
 
 
 def result_subject(ns: argparse.Namespace) -> str:
-    """The result file's subject: the model, and any --custom-ops (two runs of one call keep apart)."""
-    return "-".join([ns.model, *(op.replace("=", "-") for op in ns.custom_ops)])
+    """The result file's subject: the model, any --custom-ops and --moe-configs (two runs of one call keep apart)."""
+    configs = [f"configs-{Path(ns.moe_configs).stem}"] if ns.moe_configs else []
+    return "-".join([ns.model, *(op.replace("=", "-") for op in ns.custom_ops), *configs])
 
 
 def verdicts(rows: list[dict]) -> dict:
@@ -297,6 +405,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = (f"{ns.model}: decode step, engine (whole generate loop) against the gpt-fast-style peer, "
              f"prompt {ns.prompt}, {ns.steps} steps, median of {ns.rounds}; floor: bs-1 active weights + KV "
              f"at {tb_s:.2f} TB/s; targets engine/peer <= {TARGET_RATIO}, step/floor <= {TARGET_FLOOR}")
+    if ns.profile:
+        print(profile_tables(rows) + "\n")
     print("verdicts: " + ", ".join(f"{k} {v}" for k, v in verdicts(rows).items()))
     print(report.table(rows, COLUMNS, title))
     return rows

@@ -15,12 +15,14 @@ up at these shapes) it computes every expert on every token and gathers the chos
 
     python -m bench.moe_layer                       # 1 8 32 256 2048 tokens, bf16, on CUDA
     python -m bench.moe_layer --tokens 1 8 --no-peer
+    python -m bench.moe_layer --tokens 1 8 --no-peer --moe-configs t.json   # a table tune.py wrote, not the bundled one
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +68,16 @@ class PeerMoe(torch.nn.Module):
         return y[ids, torch.arange(x.shape[0], device=x.device)[:, None]]  # [T, k, H]
 
 
-def build_layer(shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype, max_tokens: int):
-    """(the core's FusedMoE with random weights, its triton backend, a torch_native backend)."""
+def build_layer(shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype, max_tokens: int,
+                moe_configs: str | None = None):
+    """(the core's FusedMoE with random weights, its triton backend, a torch_native backend); the
+    triton backend reads the launch table moe_configs (--triton-moe.configs), else the bundled one."""
     from backplane.contracts.moe import MoeBackendContext
     from backplane.layers import FusedMoE
     from backplane.models.base import ModelContext
     from backplane.moe import TorchNativeMoeBackend
     from backplane.plugins.moe_triton.backend import TritonMoeBackend
+    from backplane.plugins.moe_triton.options import TritonMoeOptions
 
     num_experts, hidden, inter, top_k = shape
     ctx = ModelContext(dtype=dtype, device=device)
@@ -82,7 +87,9 @@ def build_layer(shape: tuple[int, int, int, int], device: torch.device, dtype: t
         layer.gate.weight.copy_(torch.randn_like(layer.gate.weight) / hidden**0.5)
         layer.w13_weight.copy_(torch.randn_like(layer.w13_weight) / hidden**0.5)
         layer.w2_weight.copy_(torch.randn_like(layer.w2_weight) / inter**0.5)
-    triton_backend = TritonMoeBackend(MoeBackendContext(dtype=dtype, device=device, max_num_tokens=max_tokens))
+    options = TritonMoeOptions(configs=moe_configs)
+    triton_backend = TritonMoeBackend(MoeBackendContext(dtype=dtype, device=device, max_num_tokens=max_tokens,
+                                                        options=options))
     triton_backend.register_layer(layer, layer.moe_info)
     return layer, triton_backend, TorchNativeMoeBackend(None)
 
@@ -169,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", type=int, nargs=4, default=list(QWEN3_30B_A3B), metavar=("E", "H", "I", "K"),
                    help="experts, hidden, intermediate, top-k (default Qwen3-30B-A3B's)")
     p.add_argument("--no-peer", action="store_true", help="skip the compiled plain-PyTorch layer")
+    p.add_argument("--moe-configs", default=None, metavar="PATH",
+                   help="the moe_triton launch table (--triton-moe.configs); default: the bundled one of this GPU")
     return p.parse_args(argv)
 
 
@@ -179,11 +188,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("bench.moe_layer: --device cuda but no CUDA GPU (--device cpu runs the code path with TRITON_INTERPRET=1)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    layer, triton_backend, native_backend = build_layer(tuple(ns.shape), device, dtype, max(ns.tokens))
+    layer, triton_backend, native_backend = build_layer(tuple(ns.shape), device, dtype, max(ns.tokens), ns.moe_configs)
     rows = [layer_row(layer, triton_backend, native_backend, t, device, not ns.no_peer) for t in ns.tokens]
     subject = "qwen3-30b-a3b" if tuple(ns.shape) == QWEN3_30B_A3B else "e{}-h{}-i{}-k{}".format(*ns.shape)
-    report.write_result("moe-layer", subject, {"args": vars(ns), "copy_tb_s": copy_tb_s(device), "rows": rows},
-                        ns.out, ns.device)
+    subject += f"-configs-{Path(ns.moe_configs).stem}" if ns.moe_configs else ""
+    table = triton_backend.table
+    payload = {"args": vars(ns), "copy_tb_s": copy_tb_s(device), "rows": rows,
+               "moe_table": {"source": table.source, "tuned": table.tuned, "entries": len(table)}}
+    report.write_result("moe-layer", subject, payload, ns.out, ns.device)
     title = (f"{subject}: one MoE layer (router + experts), µs, L2-cold medians; x native / x peer: their time over "
              "triton's; floor: the chosen experts' weights at the copy bandwidth")
     print(report.table(rows, COLUMNS, title))

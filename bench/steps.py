@@ -118,10 +118,12 @@ def graph_capture(engine: Engine) -> dict:
             "extend_sizes": graphs.extend_sizes}
 
 
-def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=None) -> dict:
+def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=None, every_kernel: bool = False) -> dict:
     """Where one decode step goes (torch.profiler over a generate of 1 + steps tokens less one of 1
     token, per step): wall ms, device kernel ms, the rest (host work the device waits for, launch
-    gaps), launches, the top kernels and the top idle gaps by the operations around them."""
+    gaps), launches, the top kernels and the top idle gaps by the operations around them.
+    every_kernel: also "kernels", every kernel per step as (full name, ms, count), slowest first; on a
+    device with no kernel events (CPU) the host ops by self CPU time stand for them (kernel_ms too)."""
     prompts = workload.prompts([context] * bs, int(engine.runner.hf_config.vocab_size))
     _generate(engine, prompts, 1 + steps, lora)  # warm-up
     runs = []
@@ -129,12 +131,15 @@ def profile_step(engine: Engine, bs: int, context: int, steps: int = 32, lora=No
         prof, wall = profiled(lambda n=n: _generate(engine, prompts, n, lora), engine.runner.device)
         prof = without_annotations(prof)  # record_function ranges are not device work
         kernels = {name: (ms, count) for name, ms, count in device_kernels(prof)}
+        if every_kernel and engine.runner.device.type != "cuda":
+            kernels = _host_self({"events": [e for e in prof.events() if not _on_device(e)]})
         runs.append((wall, kernels, device_gaps(prof)))
     (short_wall, short, short_gaps), (long_wall, long, long_gaps) = runs
     kernels, gaps = _per_step(long, short, steps), _per_step(long_gaps, short_gaps, steps)
     wall, device = (long_wall - short_wall) * 1e3 / steps, sum(ms for ms, _ in kernels.values())
     return {"wall_ms": wall, "kernel_ms": device, "host_or_gap_ms": wall - device,
-            "launches": sum(n for _, n in kernels.values()), "top_kernels": _top(kernels, 8), "top_gaps": _top(gaps, 6)}
+            "launches": sum(n for _, n in kernels.values()), "top_kernels": _top(kernels, 8), "top_gaps": _top(gaps, 6),
+            **({"kernels": _top(kernels, len(kernels), width=None)} if every_kernel else {})}
 
 
 def profile_request(request: Callable[[], object], device: torch.device | str,
@@ -219,5 +224,5 @@ def _per_step(long: dict, short: dict, steps: int) -> dict[str, tuple[float, flo
             for k, (ms, n) in long.items()}
 
 
-def _top(rows: dict[str, tuple[float, float]], n: int) -> list[tuple[str, float, float]]:
-    return [(k[:70], ms, count) for k, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:n]]
+def _top(rows: dict[str, tuple[float, float]], n: int, width: int | None = 70) -> list[tuple[str, float, float]]:
+    return [(k[:width], ms, count) for k, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:n]]

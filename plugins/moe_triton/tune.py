@@ -1,26 +1,41 @@
 """Tune the MoE kernels' launch configurations on this GPU and write the table configs.py reads.
 
 For each layer shape and token count: random routing (top-k of random logits); for each block
-height the layout is built once, then every gate_up and every down launch of the search space is
-checked against the rule of thumb's result (h and out_pairs are indexed by pair, so every layout
-must give the same rows) and timed inside a CUDA graph with L2 flushed before each replay (weights
-come from HBM, as in a model step); the fastest pair of launches per block height, then the fastest
-block height (align + gate_up + down), is kept.
+height the layout is built once, then gate_up and down launches are checked against the rule of
+thumb's result (h and out_pairs are indexed by pair, so every layout must give the same rows) and
+timed inside a CUDA graph with L2 flushed before each replay (weights come from HBM, as in a model
+step); the fastest pair of launches per block height, then the fastest block height (align +
+gate_up + down), is kept.
+
+Which launches: at block height 16 (decode sizes: about one pair per expert, so each GEMM streams
+its experts' weights and wants many programs and many bytes in flight) the fields range over DECODE_AXES
+(block_n 16-128, block_k 64-512, 2-8 warps, 2-5 stages), searched coordinate-wise from the rule of
+thumb (local_search: each field in turn over its values, the others kept, until a pass changes
+nothing; --full tries their whole product instead, about ten times as many); taller blocks try the
+whole of `launches`' product. Launches over SMEM_BYTES of shared memory are skipped. No split-K: the
+kernels have none (K is 2048 or 768 at these shapes; block_n 16 already gives the one-token gate_up
+8 x 48 programs).
 
     python -m backplane.plugins.moe_triton.tune --out NVIDIA_H200.json                 # Qwen3-30B-A3B, TP 1 and 2
     python -m backplane.plugins.moe_triton.tune --shapes 128,2048,768,8 --tokens 1 8 64 --out t.json
     python -m backplane.plugins.moe_triton.tune --defaults --device-name "NVIDIA H100 80GB HBM3" --out x.json
+    # quick, decode sizes only (DECODE_TOKENS; under about 3 minutes on an H100, bench.run's moe-bs1):
+    python -m backplane.plugins.moe_triton.tune --shapes qwen3-30b-a3b --tokens 1 2 4 8 16 32 --budget 150 --out t.json
 
 Copy the file to plugins/moe_triton/configs/<GPU name, spaces as underscores>.json (the name is
-printed). --defaults writes the rule of thumb's configurations as an untuned table, without a GPU.
-The table is written again after every token count, so a run cut short keeps what it measured.
+printed), or point an engine at it with --triton-moe.configs (bench.moe_decode and bench.moe_layer:
+--moe-configs). --defaults writes the rule of thumb's configurations as an untuned table, without a
+GPU. The table is written again after every token count, so a run cut short keeps what it measured;
+--budget also stops a search under way (its entry keeps the best launch found so far).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +51,11 @@ from backplane.plugins.moe_triton.gemm import Launch
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "qwen3-30b-a3b-tp2": (128, 2048, 384, 8),
           "mixtral-8x7b": (8, 4096, 14336, 2), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32)  # the quick run's (the module docstring)
+# block height 16: each field's values (group_m stays 1: a block per expert, no weight tile to share)
+DECODE_AXES = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256, 512), "num_warps": (2, 4, 8),
+               "num_stages": (2, 3, 4, 5)}
+MAX_PASSES = 3  # local_search's passes over the fields at most
 SMEM_BYTES = 200 << 10  # below the H100/H200's 227 KB per block, with room for the compiler's own
 L2_FLUSH_BYTES = 256 << 20
 
@@ -57,15 +77,49 @@ class Shape:
             raise SystemExit(f"--shapes: {text!r} is not a shape; expected E,H,I,k or one of {', '.join(SHAPES)}") from None
 
 
-def launches(block_m: int, multiplier: int, elem: int, full: bool):
-    """The search space of one GEMM at this block height; multiplier: weight tiles per K step
+def fits(launch: Launch, block_m: int, multiplier: int, elem: int) -> bool:
+    """Whether the launch's pipelined tiles fit in SMEM_BYTES; multiplier: weight tiles per K step
     (2 for gate_up, which loads gate and up)."""
-    warps = (4, 8) if full or block_m > 16 else (4,)
-    space = itertools.product((32, 64, 128), (64, 128, 256) if full else (64, 128), warps,
-                              (2, 3, 4, 5) if full else (3, 4), (1, 8) if full else ((1,) if block_m == 16 else (8,)))
+    return launch.num_stages * (block_m + multiplier * launch.block_n) * launch.block_k * elem <= SMEM_BYTES
+
+
+def launches(block_m: int, multiplier: int, elem: int, full: bool):
+    """The exhaustive search space of one GEMM at this block height (at height 16 with `full`, the
+    product of DECODE_AXES)."""
+    if block_m == 16 and full:
+        space = itertools.product(*DECODE_AXES.values(), (1,))
+    else:
+        space = itertools.product((32, 64, 128), (64, 128, 256) if full else (64, 128), (4, 8),
+                                  (2, 3, 4, 5) if full else (3, 4), (1, 8) if full else (8,))
     for block_n, block_k, warps, stages, group_m in space:
-        if stages * (block_m + multiplier * block_n) * block_k * elem <= SMEM_BYTES:
-            yield Launch(block_n, block_k, group_m, warps, stages)
+        launch = Launch(block_n, block_k, group_m, warps, stages)
+        if fits(launch, block_m, multiplier, elem):
+            yield launch
+
+
+def local_search(measure, start: Launch, axes: dict[str, tuple], fit) -> tuple[float, Launch]:
+    """(µs, launch) of the fastest launch found coordinate-wise from `start`: each field of `axes` in
+    turn set to each of its values (the other fields kept, launches that do not `fit` skipped), the
+    fastest kept, until a pass over the fields changes nothing (MAX_PASSES at most). measure(launch)
+    -> µs (inf for one that fails); each launch is measured once."""
+    seen: dict[Launch, float] = {}
+
+    def us(launch: Launch) -> float:
+        if launch not in seen:
+            seen[launch] = measure(launch)
+        return seen[launch]
+
+    best = start
+    for _ in range(MAX_PASSES):
+        before = best
+        for name, values in axes.items():
+            for value in values:
+                candidate = dataclasses.replace(best, **{name: value})
+                if fit(candidate) and us(candidate) < us(best):
+                    best = candidate
+        if best == before:
+            break
+    return us(best), best
 
 
 def block_heights(num_tokens: int, shape: Shape) -> list[int]:
@@ -127,26 +181,42 @@ def _sizes(shape: Shape, num_tokens: int):
     return Sizes(num_tokens, shape.top_k, shape.num_experts, shape.hidden, shape.intermediate)
 
 
-def _best(gemm_fn, block_m: int, num_blocks: int, candidates, want: torch.Tensor, flush,
-          fallback: Launch) -> tuple[float, Launch]:
-    """(µs, launch) of the fastest candidate whose result matches `want` ((inf, fallback) when none does)."""
-    timed = [(float("inf"), fallback)]
-    for launch in candidates:
-        try:
-            got = gemm_fn(block_m, num_blocks, launch).clone()
-        except Exception as exc:  # noqa: BLE001 - a launch the compiler or the card refuses (resources)
-            print(f"    skip {launch}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
-            continue
-        if not torch.allclose(got.float(), want.float(), atol=3e-2, rtol=3e-2):
-            print(f"    WRONG result, dropped: block_m {block_m} {launch}", flush=True)
-            continue
-        timed.append((cold_graph_us(lambda launch=launch: gemm_fn(block_m, num_blocks, launch), flush), launch))
-    return min(timed, key=lambda t: t[0])
+def _measure(gemm_fn, block_m: int, num_blocks: int, want: torch.Tensor, flush, deadline: float,
+             launch: Launch) -> float:
+    """µs of one launch; inf when it fails, its result differs from `want`, or the deadline (monotonic) has passed."""
+    if time.monotonic() > deadline:
+        return math.inf
+    try:
+        got = gemm_fn(block_m, num_blocks, launch).clone()
+    except Exception as exc:  # noqa: BLE001 - a launch the compiler or the card refuses (resources)
+        print(f"    skip {launch}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+        return math.inf
+    if not torch.allclose(got.float(), want.float(), atol=3e-2, rtol=3e-2):
+        print(f"    WRONG result, dropped: block_m {block_m} {launch}", flush=True)
+        return math.inf
+    return cold_graph_us(lambda: gemm_fn(block_m, num_blocks, launch), flush)
 
 
-def tune_case(case: Case, full: bool, flush: torch.Tensor) -> tuple[Config, float, float]:
-    """(best config, its µs, the rule of thumb's µs) at one shape and token count."""
-    elem = case.x.element_size()
+def _best(gemm_fn, block_m: int, num_blocks: int, multiplier: int, full: bool, want: torch.Tensor, flush,
+          fallback: Launch, deadline: float = math.inf) -> tuple[float, Launch]:
+    """(µs, launch) of the fastest launch whose result matches `want` ((inf, fallback) when none does):
+    local_search over DECODE_AXES from `fallback` at block height 16 (unless `full`), else every launch."""
+    elem = want.element_size()
+
+    def measure(launch: Launch) -> float:
+        return _measure(gemm_fn, block_m, num_blocks, want, flush, deadline, launch)
+
+    if block_m == 16 and not full:
+        found = local_search(measure, fallback, DECODE_AXES, lambda launch: fits(launch, block_m, multiplier, elem))
+    else:
+        found = min(((measure(launch), launch) for launch in launches(block_m, multiplier, elem, full)),
+                    key=lambda t: t[0], default=(math.inf, fallback))
+    return found if math.isfinite(found[0]) else (math.inf, fallback)
+
+
+def tune_case(case: Case, full: bool, flush: torch.Tensor, deadline: float = math.inf) -> tuple[Config, float, float]:
+    """(best config, its µs, the rule of thumb's µs) at one shape and token count; past the deadline
+    (monotonic seconds) no further launch is measured."""
     default = configs.default_config(case.num_tokens, case.shape.top_k, case.shape.num_experts, case.dtype)
 
     def layer_us(config: Config) -> float:
@@ -162,11 +232,9 @@ def tune_case(case: Case, full: bool, flush: torch.Tensor) -> tuple[Config, floa
     results = []
     for block_m in block_heights(case.num_tokens, case.shape):
         blocks = case.layout(block_m)
-        _, gate_up = _best(case.gate_up, block_m, blocks, launches(block_m, 2, elem, full), want_h, flush,
-                           default.gate_up)
+        _, gate_up = _best(case.gate_up, block_m, blocks, 2, full, want_h, flush, default.gate_up, deadline)
         case.views()[0].copy_(want_h)  # down reads the right h whatever the last candidate wrote
-        _, down = _best(case.down, block_m, blocks, launches(block_m, 1, elem, full), want_out, flush,
-                        default.down)
+        _, down = _best(case.down, block_m, blocks, 1, full, want_out, flush, default.down, deadline)
         config = Config(block_m, gate_up, down)
         results.append((layer_us(config), config))
         print(f"  T {case.num_tokens} block_m {block_m}: {results[-1][0]:.1f} µs", flush=True)
@@ -191,8 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"E,H,I,k or a name: {', '.join(SHAPES)}")
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--full", action="store_true", help="the larger search space (about 8x the launches)")
-    p.add_argument("--budget", type=float, default=None, help="seconds: no new token count is started after this")
+    p.add_argument("--full", action="store_true", help="every launch of the larger search space (about 8x the launches)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: no launch is measured and no token count started after this")
     p.add_argument("--defaults", action="store_true", help="write the rule of thumb's configs as an untuned table")
     p.add_argument("--device-name", default=None, help="with --defaults: the device the table is for")
     return p.parse_args(argv)
@@ -210,13 +279,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("tune: needs a CUDA GPU (or --defaults)")
-    device, began, entries = torch.cuda.get_device_name(), time.monotonic(), []
+    device, entries = torch.cuda.get_device_name(), []
+    deadline = time.monotonic() + (ns.budget if ns.budget is not None else math.inf)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for (shape, key), num_tokens in itertools.product(keys, sorted(ns.tokens)):
-        if ns.budget is not None and time.monotonic() - began > ns.budget:
+        if time.monotonic() > deadline:
             print(f"budget spent: stopping before {shape} at {num_tokens} tokens", flush=True)
             break
-        best, us, default_us = tune_case(Case(shape, num_tokens, dtype), ns.full, flush)
+        best, us, default_us = tune_case(Case(shape, num_tokens, dtype), ns.full, flush, deadline)
         entries.append({**configs.entry(key, num_tokens, best, round(us, 2)), "default_us": round(default_us, 2)})
         print(f"{shape} T {num_tokens}: {us:.1f} µs (rule of thumb {default_us:.1f} µs) {best}", flush=True)
         write(out, device, True, entries)

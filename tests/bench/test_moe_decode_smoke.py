@@ -124,3 +124,87 @@ def test_runs_with_other_custom_ops_write_apart():
     plain = moe_decode.result_subject(moe_decode.parse_args([]))
     fused = moe_decode.result_subject(moe_decode.parse_args(["--custom-ops", "moe_route=triton"]))
     assert plain == "qwen3-30b-a3b" and fused != plain and "moe_route" in fused
+
+
+def test_profile_splits_a_step_into_groups_that_add_up(tmp_path, capsys):
+    """--profile 1 on CPU: the profiler sees host ops only, which stand for the kernels; every one
+    lands in exactly one group, so the groups add up to the profiled total, and the floor column
+    divides the group's bs-1 bytes by the layers."""
+    rows = moe_decode.main([*TINY, "--batch-sizes", "1", "--profile", "1", "--out", str(tmp_path)])
+    profile, groups = rows[0]["profile"], {r["group"]: r for r in rows[0]["per_layer"]}
+    assert list(groups) == [*moe_decode.GROUP_NAMES, "all kernels", "idle or host"]
+    assert profile["kernel_ms"] > 0 and len(profile["kernels"]) > len(profile["top_kernels"])
+    parts = [groups[g] for g in moe_decode.GROUP_NAMES]
+    assert sum(r["ms"] for r in parts) == pytest.approx(profile["kernel_ms"], rel=1e-9)
+    assert sum(r["launches"] for r in parts) == pytest.approx(profile["launches"], rel=1e-9)
+    assert sum(r["distinct"] for r in parts) == len(profile["kernels"])
+    assert groups["all kernels"]["ms"] == pytest.approx(profile["kernel_ms"])
+    assert groups["idle or host"]["ms"] == pytest.approx(profile["wall_ms"] - profile["kernel_ms"])
+    assert groups["dense gemm"]["ms"] > 0 and groups["router"]["ms"] > 0  # aten::mm; the router's topk
+    layers, c = 2, moe_decode.MODELS["tiny"]
+    assert groups["router"]["us_per_layer"] == pytest.approx(groups["router"]["ms"] * 1e3 / layers)
+    expert_w2 = c["num_experts_per_tok"] * c["hidden_size"] * c["moe_intermediate_size"] * 4  # fp32 on CPU
+    doc = json.loads(next(tmp_path.glob("moe-decode-tiny-cpu-*.json")).read_text())
+    assert groups["moe down"]["floor_us_per_layer"] == pytest.approx(expert_w2 / (doc["copy_tb_s"] * 1e6))
+    assert groups["all kernels"]["floor_us_per_layer"] == pytest.approx(doc["floor"]["floor_ms"] * 1e3 / layers)
+    assert doc["rows"][0]["per_layer"][0]["group"] == "moe align" and doc["moe_table"] is None  # torch_native
+    out = capsys.readouterr().out
+    assert "bs 1: kernels by group, per layer" in out and "all kernels" in out
+
+
+def test_kernel_groups_of_the_cuda_step():
+    """The names the bs-1 step's kernels have on CUDA (moe_triton, ops_triton, attention_triton, cuBLAS, PyTorch)."""
+    names = {
+        "_align_single_kernel": "moe align", "_gate_up_kernel": "moe gate_up", "_down_kernel": "moe down",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::func_wrapper_t<float, "
+        "at::native::sum_functor<c10::BFloat16, float, float>::operator()": "moe sum",
+        "_moe_route_kernel": "router", "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "router",
+        "_decode_split_kernel": "attention", "_decode_merge_kernel": "attention",
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "dense gemm", "void gemv2T_kernel_val<int, int, __nv_bfloat16>": "dense gemm",
+        "_rms_norm_kernel": "norms and elementwise", "_rotary_kv_write_kernel": "norms and elementwise",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>": "norms and elementwise",
+        "_greedy_sample_kernel": "other", "Memcpy DtoD (Device -> Device)": "other",
+    }
+    assert {name: moe_decode.kernel_group(name) for name in names} == names
+
+
+def test_per_layer_divides_by_the_layers_and_sets_the_floor_beside():
+    profile = {"kernels": [("_gate_up_kernel", 0.96, 48.0), ("nvjet_x", 0.48, 144.0), ("_greedy_sample_kernel", 0.01, 1.0)],
+               "kernel_ms": 1.45, "wall_ms": 2.0}
+    rows = {r["group"]: r for r in moe_decode.per_layer(profile, 48, {"moe gate_up": 480e6, "attention": 0}, 1.0)}
+    assert rows["moe gate_up"]["us_per_layer"] == pytest.approx(20.0) and rows["moe gate_up"]["launches_per_layer"] == 1
+    assert rows["moe gate_up"]["floor_us_per_layer"] == pytest.approx(10.0) and rows["moe gate_up"]["x_floor"] == pytest.approx(2.0)
+    assert rows["dense gemm"]["launches_per_layer"] == 3 and rows["dense gemm"]["floor_us_per_layer"] is None
+    assert rows["idle or host"]["ms"] == pytest.approx(0.55) and rows["all kernels"]["share"] == pytest.approx(0.725)
+    assert rows["moe gate_up"]["top"] == "_gate_up_kernel" and rows["moe align"]["ms"] == 0
+
+
+def test_moe_configs_reach_the_engine_and_keep_the_result_apart(tmp_path, monkeypatch):
+    """--moe-configs PATH is the engine's --triton-moe.configs; the result file is named after it."""
+    ns = moe_decode.parse_args(["--moe-configs", "out/moe_triton_configs.json"])
+    assert moe_decode.engine_settings(ns, tmp_path)["plugin_options"] == {"triton-moe": {"configs": "out/moe_triton_configs.json"}}
+    assert moe_decode.engine_settings(moe_decode.parse_args([]), tmp_path)["plugin_options"] is None
+    assert moe_decode.result_subject(ns) == "qwen3-30b-a3b-configs-moe_triton_configs"
+    seen = []
+    monkeypatch.setattr(moe_decode, "moe_table", lambda engine: seen.append(engine.args.options_for("triton-moe").configs))
+    moe_decode.main([*TINY, "--batch-sizes", "1", "--moe-configs", str(tmp_path / "t.json"), "--out", str(tmp_path)])
+    assert seen == [str(tmp_path / "t.json")] and len(list(tmp_path.glob("moe-decode-tiny-configs-t-cpu-*.json"))) == 1
+    with pytest.raises(SystemExit):
+        moe_decode.parse_args(["--batch-sizes", "1", "--profile", "8"])  # not a measured size
+
+
+def test_the_moe_bs1_group_tunes_then_runs_both_tables_one_after_another():
+    from backplane.plugins.moe_triton import tune
+    from bench import run
+
+    jobs = run.GROUPS["moe-bs1"]
+    assert [j.argv[1] for j in jobs] == ["backplane.plugins.moe_triton.tune", "bench.moe_decode", "bench.moe_decode"]
+    assert not any(j.together for j in jobs)  # the ~61 GB model once at a time
+    tuned = tune.parse_args(list(jobs[0].argv[2:]))
+    assert tuned.out == "{out}/moe_triton_configs.json" and tuple(tuned.tokens) == tune.DECODE_TOKENS
+    assert tuned.shapes == ["qwen3-30b-a3b"] and tuned.budget <= 180
+    bundled, fresh = (moe_decode.parse_args(list(j.argv[2:])) for j in jobs[1:])
+    assert bundled.moe_configs is None and fresh.moe_configs == tuned.out
+    for ns in (bundled, fresh):
+        assert ns.batch_sizes == [1] and ns.rounds == 5 and ns.profile == [1]
+    assert moe_decode.result_subject(bundled) != moe_decode.result_subject(fresh)
