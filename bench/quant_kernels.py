@@ -123,7 +123,8 @@ def linear_report(name: str, n: int, k: int, m: int, device: torch.device, dtype
 
 def _short(launch) -> str:
     fused = "q" if launch.fuse_quant else ""
-    return f"{launch.block_n}x{launch.block_k}/s{launch.split_k}/w{launch.num_warps}/p{launch.num_stages}{fused}"
+    gemv = "/gemv" if launch.gemv else ""
+    return f"{launch.block_n}x{launch.block_k}/s{launch.split_k}/w{launch.num_warps}/p{launch.num_stages}{fused}{gemv}"
 
 
 def with_totals(rows: list[dict], tokens: list[int]) -> list[dict]:

@@ -20,11 +20,13 @@ underscores>.json` beside this module, or the file given by `--fp8.configs` (non
     {"device": "NVIDIA H100 80GB HBM3", "tuned": true, "triton": "3.6.0", "torch": "2.11.0",
      "entries": [{"kernel": "channel", "N": 6144, "K": 4096, "tokens": 8, "use": "triton",
                   "block_n": 64, "block_k": 256, "split_k": 3, "num_warps": 4, "num_stages": 4,
-                  "fuse_quant": true, "us": 9.1, "default_us": 9.8, "scaled_mm_us": 12.3}, ...]}
+                  "fuse_quant": true, "gemv": false, "us": 9.1, "default_us": 9.8, "scaled_mm_us": 12.3}, ...]}
 
 keyed by the kernel ("channel", or "block" with its "block": [bn, bk]), the weight's N and K, and a
 token count: M takes the entry of its bucket (M padded to a power of two, at least 16) measured
-nearest to M. "use": "scaled_mm" sends a bf16 channel GEMM of that bucket to torch._scaled_mm.
+nearest to M. "use": "scaled_mm" sends a bf16 channel GEMM of that bucket to torch._scaled_mm. "gemv": true
+(up to kernels.GEMV_MAX_ROWS tokens; false when absent, as in tables written before it) runs the
+GEMV kernel, and serves only M up to that limit: a larger M of the bucket takes its other entries.
 Shapes and buckets the table lacks take default_launch and the DECODE_MAX_TOKENS threshold.
 Which table a layer uses is its TableSource (the two options), carried by Fp8Config to every
 Fp8LinearMethod and into each cached choice, so engines of one process keep their own tables.
@@ -41,7 +43,8 @@ from pathlib import Path
 import torch
 import triton
 
-from backplane.plugins.quant_fp8.kernels import Launch, block_m_for, block_matmul, channel_matmul, quantize_rows
+from backplane.plugins.quant_fp8.kernels import (GEMV_MAX_ROWS, Launch, block_m_for, block_matmul, channel_matmul,
+                                                 quantize_rows)
 from backplane.plugins.quant_fp8.options import BUNDLED, TableSource
 from backplane.plugins.quant_fp8.reference import quantize_input, reference_linear
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
@@ -55,8 +58,9 @@ MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 KERNELS = ("channel", "block")
 USES = ("triton", "scaled_mm")
-_LAUNCH_FIELDS = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fuse_quant")
-_ENTRY_FIELDS = ("kernel", "N", "K", "tokens", "use", *_LAUNCH_FIELDS)
+_LAUNCH_FIELDS = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fuse_quant", "gemv")
+_OPTIONAL_FIELDS = {"gemv": False}  # launch fields added later: an entry without one has this value
+_ENTRY_FIELDS = ("kernel", "N", "K", "tokens", "use", *(f for f in _LAUNCH_FIELDS if f not in _OPTIONAL_FIELDS))
 
 TableKey = tuple[str, int, int, tuple[int, int] | None]  # (kernel, N, K, weight block or None)
 
@@ -169,8 +173,10 @@ class LaunchTable:
     entries: dict[TableKey, dict[int, tuple[str, Launch]]] = field(default_factory=dict)
 
     def lookup(self, key: TableKey, m: int) -> tuple[str, Launch] | None:
-        """The entry of M's bucket measured nearest to M (log scale; a tie goes to the larger count)."""
-        same = {t: v for t, v in self.entries.get(key, {}).items() if bucket(t) == bucket(m)}
+        """The entry of M's bucket measured nearest to M (log scale; a tie goes to the larger count),
+        among those whose launch serves M rows (a GEMV launch, up to GEMV_MAX_ROWS)."""
+        same = {t: v for t, v in self.entries.get(key, {}).items()
+                if bucket(t) == bucket(m) and not (v[1].gemv and m > GEMV_MAX_ROWS)}
         if not same:
             return None
         target = math.log2(max(m, 1))
@@ -201,8 +207,12 @@ def _parse_entry(entry: dict, where: str) -> tuple[TableKey, int, str, Launch]:
                          f"of {', '.join(KERNELS)}, use one of {', '.join(USES)}, tokens >= 1")
     if (kernel == "block") != (isinstance(block, list) and len(block) == 2):
         raise ValueError(f"{where}: block {block!r}: expected [rows, columns] for kernel 'block' and none for 'channel'")
+    gemv = entry.get("gemv", _OPTIONAL_FIELDS["gemv"])
+    if not isinstance(gemv, bool) or (gemv and int(entry["tokens"]) > GEMV_MAX_ROWS):
+        raise ValueError(f"{where}: gemv {gemv!r} at tokens {entry['tokens']!r}: expected true or false (false when "
+                         f"absent), true only up to {GEMV_MAX_ROWS} tokens")
     try:
-        launch = Launch(**{name: entry[name] for name in _LAUNCH_FIELDS})
+        launch = Launch(**{name: entry.get(name, _OPTIONAL_FIELDS.get(name)) for name in _LAUNCH_FIELDS})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     key = (kernel, int(entry["N"]), int(entry["K"]), tuple(int(b) for b in block) if block else None)

@@ -23,6 +23,11 @@ loads it; at M = 1 both quantize the one row and broadcast it to the tile's 16 r
 16). Otherwise quantize_rows runs first. Nothing depends on the data on the host: CUDA graphs
 capture every path.
 
+A launch with `gemv` (M up to GEMV_MAX_ROWS) runs either GEMM's GEMV kernel instead: the same
+operands, scales, split K and epilogue, without tl.dot (no padding of M to 16 rows; the weight tile
+read as stored, [BLOCK_N, BLOCK_K] with K contiguous). Its results differ from the tl.dot kernels'
+only in the order of fp32 sums.
+
 Scales are computed as torch computes quantize.py's `amax / FP8_MAX` on CUDA: amax times the fp32
 reciprocal of 448 (a scalar divisor is a multiplication there; on CPU it is a true division, which
 can differ in the last bit). x / scale is a true division (tl.math.div_rn), as torch's.
@@ -47,13 +52,15 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 MIN_BLOCK_N = 16  # the narrowest output tile; new_counters holds one counter per MIN_BLOCK_N columns
 QUANT_GROUP = 128  # quantize_rows holds a row as [cdiv(K, QUANT_GROUP), QUANT_GROUP] in per-token mode
 MAX_ROW = 1 << 16  # quantize_rows holds a whole row in registers: K up to this
+GEMV_MAX_ROWS = 8  # the GEMV kernels loop over x's rows one at a time (unrolled): M up to this
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One GEMM launch: output tile width, K step, K slices, warps, pipeline depth, and whether x
-    is quantized inside the GEMM. BLOCK_M follows M (block_m_for); block_matmul's K step is the
-    weight block's columns, so its block_k is ignored."""
+    """One GEMM launch: output tile width, K step, K slices, warps, pipeline depth, whether x is
+    quantized inside the GEMM, and whether it runs the GEMV kernel (no tl.dot; M up to
+    GEMV_MAX_ROWS). BLOCK_M follows M (block_m_for); block_matmul's K step is the weight block's
+    columns, so its block_k is ignored."""
 
     block_n: int
     block_k: int
@@ -61,6 +68,7 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 3
     fuse_quant: bool = False
+    gemv: bool = False
 
     def __post_init__(self):
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_n, self.block_k, self.num_warps))
@@ -297,6 +305,136 @@ def _block_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counter
                   pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
+# -- the GEMVs: M up to GEMV_MAX_ROWS, no tl.dot ----------------------------------------------------
+#
+# tl.dot pads M to 16 rows and takes the weight as [BLOCK_K, BLOCK_N]; at M <= 8 the GEMVs instead
+# load each weight tile [BLOCK_N, BLOCK_K] as it is stored (K contiguous: 16-byte loads), convert
+# it to fp32 once and, for each row of x (ROWS = M, unrolled), multiply by the row's fp8 values
+# and sum over K. The products of two e4m3 values are exact in fp32; only the order of the fp32
+# sums differs from the tl.dot kernels. One program per BLOCK_N columns and K slice; split K and
+# the epilogue are _store_result's. The accumulator is held transposed, [BLOCK_N, BLOCK_M], so that
+# each row's sum over K ([BLOCK_N], reduced from the weight tile) adds to it without a change of
+# layout; it is transposed once, for the store. NOTE: Triton's pipeliner leaves these loads alone
+# (they feed no tl.dot: no cp.async in the compiled kernels, triton 3.9 for sm_90), so PREFETCH
+# (a launch's num_stages > 1) loads the next K step's weight tile into registers while the current
+# one is summed; with num_stages 1 each step waits for its own tile.
+
+@triton.jit
+def _weight_tile(w_rows, k, end, MASKED: tl.constexpr):
+    """The fp8 weight tile [BLOCK_N, BLOCK_K] at columns k, as stored; with MASKED only columns below
+    end (K, or the end of the program's K slice: a prefetch past it reads nothing). NOTE: Triton
+    keeps 16-byte loads under the mask where end is a multiple of 16 (K's divisibility is known)."""
+    if MASKED:
+        return tl.load(w_rows + k[None, :], mask=k[None, :] < end, other=0.0)
+    return tl.load(w_rows + k[None, :])
+
+
+@triton.jit
+def _pick(values, rows, r: tl.constexpr):
+    """values [BLOCK_M] -> its entry r (a scalar; the other entries add zeros, so exactly it)."""
+    return tl.sum(tl.where(rows == r, values, 0.0), axis=0)
+
+
+@triton.jit
+def _add_row(acc_t, rows, r: tl.constexpr, part):
+    """acc_t [BLOCK_N, BLOCK_M] (transposed) with part [BLOCK_N] added to its column r."""
+    return acc_t + tl.where(rows[None, :] == r, part[:, None], 0.0)
+
+
+@triton.jit
+def _channel_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
+                         stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
+                         FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, SCALE_UB: tl.constexpr, ROWS: tl.constexpr,
+                         PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """Program (n, s): columns n of all ROWS (= M) rows over K slice s; x and its scales as in
+    _channel_kernel (FUSE_QUANT: each row's max over all of K first, the same scale), BLOCK_M the
+    rows padded to a power of two."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm_in, rn_in = tl.minimum(rm, M - 1), tl.minimum(rn, N - 1)
+    w_rows = w_ptr + rn_in[:, None] * stride_wn  # [BLOCK_N, 1]: the weight as stored, K contiguous
+    steps = tl.cdiv(K, BLOCK_K)
+    first = pid_k * tl.cdiv(steps, split_k)
+    last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    if FUSE_QUANT:
+        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for step in range(0, steps):
+            k = step * BLOCK_K + rk
+            x = tl.load(x_ptr + rm_in[:, None] * stride_xm + k[None, :], mask=k[None, :] < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        sx = _row_scale_of(tl.max(amax, axis=1), SCALE_UB)
+    else:
+        sx = tl.load(sx_ptr + rm_in * stride_sx)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    end = tl.minimum(K, last * BLOCK_K)  # the K slice's end: no prefetch past it
+    if PREFETCH:
+        w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
+    for step in range(first, last):
+        k = step * BLOCK_K + rk
+        if PREFETCH:
+            w = w_next.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            w_next = _weight_tile(w_rows, k + BLOCK_K, end, True)
+        else:
+            w = _weight_tile(w_rows, k, K, not EVEN_K).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            if EVEN_K:
+                a = tl.load(x_ptr + r * stride_xm + k).to(tl.float32)
+            else:
+                a = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            if FUSE_QUANT:
+                a = _to_fp8(a, _pick(sx, rm, r)).to(tl.float32)
+            acc_t = _add_row(acc_t, rm, r, tl.sum(w * a[None, :], axis=1))
+    sw = tl.load(sw_ptr + rn_in * stride_sw)
+    acc = tl.trans(acc_t * sx[None, :] * sw[:, None])
+    _store_result(acc, bias_ptr, y_ptr, ws_ptr, counters_ptr, rm, rn, M, N, stride_ym, pid_k, split_k, pid_n,
+                  HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _block_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
+                       stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, HAS_BIAS: tl.constexpr,
+                       FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n, s) as in _channel_gemv_kernel, with _block_kernel's operands: BLOCK_K the weight
+    block's columns (one K step per block), each step's sum scaled by its two block scales."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rn_in = tl.minimum(rn, N - 1)
+    w_rows = w_ptr + rn_in[:, None] * stride_wn
+    sw_rows = sw_ptr + (rn_in // SCALE_ROWS) * stride_swn
+    steps = K // BLOCK_K
+    first = pid_k * tl.cdiv(steps, split_k)
+    last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    end = last * BLOCK_K  # the K slice's end: no prefetch past it
+    if PREFETCH:
+        w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
+        b_next = tl.load(sw_rows + tl.minimum(first, steps - 1))
+    for step in range(first, last):
+        k = step * BLOCK_K + rk
+        if PREFETCH:
+            w, b_s = w_next.to(tl.float32), b_next  # [BLOCK_N, BLOCK_K], [BLOCK_N]
+            w_next = _weight_tile(w_rows, k + BLOCK_K, end, True)
+            b_next = tl.load(sw_rows + tl.minimum(step + 1, steps - 1))  # NOTE: the scales are tiny (L2)
+        else:
+            w, b_s = _weight_tile(w_rows, k, K, False).to(tl.float32), tl.load(sw_rows + step)
+        for r in tl.static_range(ROWS):
+            a = tl.load(x_ptr + r * stride_xm + k).to(tl.float32)
+            if FUSE_QUANT:
+                a_s = _scale_of(tl.max(tl.abs(a), axis=0))
+                a = _to_fp8(a, a_s).to(tl.float32)
+            else:
+                a_s = tl.load(sx_ptr + r * stride_sxm + step)
+            acc_t = _add_row(acc_t, rm, r, tl.sum(w * a[None, :], axis=1) * a_s * b_s)
+    _store_result(tl.trans(acc_t), bias_ptr, y_ptr, ws_ptr, counters_ptr, rm, rn, M, N, stride_ym, pid_k, split_k, pid_n,
+                  HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
 def new_counters(weight: torch.Tensor) -> torch.Tensor:
     """The split-K tile counters of one weight [N, K]: int32 zeros, one per MIN_BLOCK_N columns. The
     GEMMs leave them at zero, so a layer can keep one buffer for every call (one stream at a time)."""
@@ -321,9 +459,18 @@ def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if x_scale is None and not launch.fuse_quant:
         x, x_scale = quantize_rows(x, scale_ub=scale_ub)
     sx = x_scale.reshape(-1) if x_scale is not None else sw  # unread when x is quantized in the GEMM
-    return _launch(_channel_kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
+    kernel = _channel_gemv_kernel if _gemv("channel_matmul", launch, x.shape[0]) else _channel_kernel
+    return _launch(kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
                    launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0, SCALE_UB=_bound(scale_ub)),
                    (int(sx.numel() > 1), int(sw.numel() > 1)))
+
+
+def _gemv(name: str, launch: Launch, m: int) -> bool:
+    """Whether `launch` runs the GEMV kernel at M rows; a ValueError past GEMV_MAX_ROWS."""
+    if launch.gemv and m > GEMV_MAX_ROWS:
+        raise ValueError(f"{name}: {launch} is a GEMV launch, for M up to {GEMV_MAX_ROWS} rows; got M = {m}: "
+                         "expected gemv=False at this M")
+    return launch.gemv
 
 
 def _bound(scale_ub: float | None) -> float:
@@ -350,20 +497,27 @@ def block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         x, x_scale = quantize_rows(x, block_k)
     sx = x_scale if x_scale is not None else weight_scale  # unread with fuse_quant
     sw = weight_scale if weight_scale.is_contiguous() else weight_scale.contiguous()
-    return _launch(_block_kernel, x, sx, weight, sw, bias, launch, counters, out_dtype, block_k,
+    kernel = _block_gemv_kernel if _gemv("block_matmul", launch, x.shape[0]) else _block_kernel
+    return _launch(kernel, x, sx, weight, sw, bias, launch, counters, out_dtype, block_k,
                    dict(SCALE_ROWS=block_n), (sx.stride(0), sw.stride(0)))
 
 
 def _launch(kernel, x, sx, weight, sw, bias, launch: Launch, counters, out_dtype, block_k: int, constants: dict,
             scale_strides: tuple[int, int]) -> torch.Tensor:
-    """Launch one GEMM over the grid (N tiles, K slices, M tiles); K is split only with one M tile."""
+    """Launch one GEMM over the grid (N tiles, K slices, M tiles); K is split only with one M tile.
+    A GEMV launch: one M tile of every row (ROWS = M)."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
-    block_m = block_m_for(m)
+    if launch.gemv:
+        block_m = triton.next_power_of_2(m)
+        constants = dict(constants, ROWS=m, PREFETCH=launch.num_stages > 1)
+    else:
+        block_m = block_m_for(m)
+        constants = dict(constants, ONE_ROW=m == 1)
     grid_m, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, launch.block_n)
     split = min(launch.split_k, triton.cdiv(k, block_k)) if grid_m == 1 else 1
     ws = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x.device)
@@ -371,7 +525,7 @@ def _launch(kernel, x, sx, weight, sw, bias, launch: Launch, counters, out_dtype
     kernel[(n_tiles, split, grid_m)](
         x, sx, weight, sw, bias if bias is not None else y, y, ws, counters, m, n, k, split,
         x.stride(0), scale_strides[0], weight.stride(0), scale_strides[1], y.stride(0),
-        HAS_BIAS=bias is not None, FUSE_QUANT=x.dtype != fq.FP8, ONE_ROW=m == 1, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        HAS_BIAS=bias is not None, FUSE_QUANT=x.dtype != fq.FP8, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages, **constants)
     return y
 

@@ -6,8 +6,10 @@ checked against the default launch's result (a fast wrong launch is dropped) and
 CUDA graph with L2 flushed before each replay (the weight comes from HBM, as in a model step); the
 fastest is kept. For "channel", torch._scaled_mm row-wise (its activation quantization included) is
 timed too: where it is faster, the entry says "use": "scaled_mm" and cuda.py sends bf16 GEMMs of
-that token bucket there. Token counts run smallest first; the table is written again after every
-case, so a run cut short (--budget) keeps what it measured.
+that token bucket there. Up to kernels.GEMV_MAX_ROWS tokens the GEMV launches (no tl.dot) are
+candidates too; those entries also record the fastest tl.dot and GEMV launches' µs ("dot_us",
+"gemv_us"). Token counts run smallest first; the table is written again after every case, so a run
+cut short (--budget) keeps what it measured.
 
     python -m backplane.plugins.quant_fp8.tune --out NVIDIA_H100_80GB_HBM3.json --budget 480  # llama-3.1-8b
     python -m backplane.plugins.quant_fp8.tune --shapes 6144,4096 --tokens 1 16 --kernels channel --out t.json
@@ -31,7 +33,8 @@ import triton
 from backplane.testing import cold_graph_us
 from backplane.plugins.quant_fp8 import cuda
 from backplane.plugins.quant_fp8 import quantize as fq
-from backplane.plugins.quant_fp8.kernels import Launch, block_m_for, block_matmul, channel_matmul, new_counters
+from backplane.plugins.quant_fp8.kernels import (GEMV_MAX_ROWS, Launch, block_m_for, block_matmul, channel_matmul,
+                                                 new_counters)
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
 # name -> the (N, K) of each linear: qkv, o, gate_up, down
@@ -48,10 +51,48 @@ CHANNEL = Fp8Scheme(weights="channel", activations="token")
 
 def launches(kernel: str, m: int, n: int, k: int, num_sms: int, full: bool):
     """The search space at M rows: decode sizes try narrow tiles, split K and x quantized inside the
-    GEMM; larger M wider tiles and more warps, one K slice. --full adds pipeline depths, warps, splits."""
+    GEMM; larger M wider tiles and more warps, one K slice. --full adds pipeline depths, warps, splits.
+    Up to GEMV_MAX_ROWS rows the GEMV launches (gemv_launches) follow."""
+    yield from _dot_launches(kernel, m, n, k, num_sms, full)
+    if m <= GEMV_MAX_ROWS:
+        yield from gemv_launches(kernel, m, n, k, num_sms, full)
+
+
+def _splits(decode: bool, full: bool) -> tuple[int, ...]:
+    return ((1, 2, 3, 4, 6, 8, 12, 16) if full else (1, 2, 3, 4, 6, 8)) if decode else (1,)
+
+
+def _too_many_splits(n: int, k: int, block_n: int, block_k: int, split: int, num_sms: int) -> bool:
+    """More than 8 programs per SM, or fewer than 2 K steps per slice."""
+    return split > 1 and (triton.cdiv(n, block_n) * split > 8 * num_sms or triton.cdiv(k, block_k) // split < 2)
+
+
+def gemv_launches(kernel: str, m: int, n: int, k: int, num_sms: int, full: bool):
+    """The GEMV launches at M <= GEMV_MAX_ROWS: weight tiles of 16 to 128 columns by 128 to 512
+    (block: the weight block's) K columns, split K as the tl.dot launches, 4 or 8 warps; each thread
+    loads 16 to 128 weight bytes per K step (at least one 16-byte load; --full: up to 256). Pipeline
+    depth 1 (each K step waits for its tile) or 2 (the next step's tile prefetched into registers;
+    deeper is the same kernel), 2 only up to 64 bytes a thread (it held one 32-bit register per
+    prefetched byte when compiled for sm_90; --full: always). At least one program per SM. x is
+    quantized inside the GEMV where the tl.dot launches may (--full: also before it)."""
+    block_ks = (BLOCK[1],) if kernel == "block" else (128, 256, 512)
+    fusable = kernel == "block" or m * k * 2 <= FUSE_MAX_BYTES
+    fuses = (False, True) if full and fusable else (fusable,)
+    space = itertools.product((16, 32, 64, 128), block_ks, _splits(True, full), (4, 8), (1, 2), fuses)
+    for block_n, block_k, split, warps, stages, fuse in space:
+        per_thread = block_n * block_k // (32 * warps)
+        if not 16 <= per_thread <= (256 if full else 128) or (stages > 1 and per_thread > 64 and not full):
+            continue
+        programs = triton.cdiv(n, block_n) * split
+        if programs < num_sms or _too_many_splits(n, k, block_n, block_k, split, num_sms):
+            continue  # an SM without a program cannot stream its share of the weight
+        yield Launch(block_n, block_k, split, warps, stages, fuse, gemv=True)
+
+
+def _dot_launches(kernel: str, m: int, n: int, k: int, num_sms: int, full: bool):
     decode = m <= cuda.DECODE_MAX_TOKENS
     block_ks = (BLOCK[1],) if kernel == "block" else ((128, 256, 512) if full else (128, 256))
-    splits = ((1, 2, 3, 4, 6, 8, 12, 16) if full else (1, 2, 3, 4, 6, 8)) if decode else (1,)
+    splits = _splits(decode, full)
     space = itertools.product((32, 64, 128) if decode else (64, 128, 256), block_ks, splits,
                               (4, 8) if full or not decode else (4,), (2, 3, 4, 5) if full else (4,),
                               (False, True) if decode else (False,))
@@ -60,7 +101,7 @@ def launches(kernel: str, m: int, n: int, k: int, num_sms: int, full: bool):
         x_bytes = 2 if fuse else 1
         if stages * (block_m * block_k * x_bytes + block_k * block_n) > SMEM_BYTES:
             continue
-        if split > 1 and (triton.cdiv(n, block_n) * split > 8 * num_sms or triton.cdiv(k, block_k) // split < 2):
+        if _too_many_splits(n, k, block_n, block_k, split, num_sms):
             continue
         if fuse and kernel == "channel" and m * k * 2 > FUSE_MAX_BYTES:
             continue
@@ -90,7 +131,8 @@ class Case:
 
 def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict:
     """The table entry of one case: the fastest launch that gives the default launch's result, its µs,
-    the default's and (channel) _scaled_mm's."""
+    the default's, (up to GEMV_MAX_ROWS tokens) the fastest tl.dot and GEMV launches', and (channel)
+    _scaled_mm's."""
     kernel, n, k, _ = case.key
     default = cuda.default_launch(case.key, case.m, 2, num_sms)
     want = case.run(default).float()
@@ -107,6 +149,10 @@ def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict
         timed.append((cold_graph_us(lambda launch=launch: case.run(launch), flush), launch))
     us, best = min(timed, key=lambda t: t[0])
     timings = {"us": round(us, 2), "default_us": round(timed[0][0], 2)}
+    if case.m <= GEMV_MAX_ROWS:  # how the two kinds of launch compare, whichever won
+        for name, gemv in (("dot_us", False), ("gemv_us", True)):
+            fastest = min((t for t, launch in timed if launch.gemv == gemv), default=None)
+            timings[name] = None if fastest is None else round(fastest, 2)  # None: every GEMV launch failed
     use = "triton"
     if kernel == "channel":
         timings["scaled_mm_us"] = round(cold_graph_us(case.scaled_mm, flush), 2)
@@ -172,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         entries.append(tune_case(Case(key, m), num_sms, ns.full, flush))
         e = entries[-1]
         print(f"{key[0]} N {key[1]} K {key[2]} M {m}: {e['us']:.1f} µs (default {e['default_us']:.1f}, "
-              f"_scaled_mm {e.get('scaled_mm_us', '-')}) use {e['use']} {Launch(**{f: e[f] for f in cuda._LAUNCH_FIELDS})}",
+              f"tl.dot {e.get('dot_us', '-')}, GEMV {e.get('gemv_us', '-')}, _scaled_mm {e.get('scaled_mm_us', '-')}) use {e['use']} {Launch(**{f: e[f] for f in cuda._LAUNCH_FIELDS})}",
               flush=True)
         write(out, device, True, entries)
     print(f"wrote {out} ({len(entries)} entries); copy it to plugins/quant_fp8/configs/{cuda.device_file_name(device)}")
