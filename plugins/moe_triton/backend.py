@@ -2,7 +2,10 @@
 
 apply(x [T, H], topk_weights [T, k], topk_ids [T, k]) runs, per chunk of at most chunk_tokens
 tokens:
-1. align: the T * k pairs sorted by expert into BLOCK_M-aligned runs (device only);
+1. align: the T * k pairs sorted by expert into BLOCK_M-aligned runs (device only). One token
+   (decode at bs 1) needs no sort: its k experts are distinct, so pair j is block j of expert
+   topk_ids[0, j], and the layout is a fixed one (Workspace.one_token) with topk_ids as the blocks'
+   experts: no launch at all, where align is one launch per layer (48 a step for Qwen3-30B-A3B);
 2. gate_up: h [T * k, I] = silu(x w_gate^T) * (x w_up^T), per pair with its expert's weights;
 3. down: out_pairs [T * k, H] = topk_weight * (h w_down^T);
 4. the k-way sum: out [T, H] = out_pairs viewed [T, k, H] summed over k (fp32 accumulation).
@@ -68,11 +71,22 @@ class Workspace:
         self.chunk_counts = torch.empty(align.num_chunks(pairs, experts) * triton.next_power_of_2(experts), **i32)
         self.h = torch.empty(pairs * sizes.intermediate, dtype=dtype, device=device)
         self.out_pairs = torch.empty(pairs * sizes.hidden, dtype=dtype, device=device)
+        self.one_token = {m: one_token_layout(sizes.top_k, m, device) for m in configs.BLOCK_MS}
 
     def views(self, num_pairs: int, intermediate: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(h [num_pairs, intermediate], out_pairs [num_pairs, hidden]), contiguous."""
         return (self.h[: num_pairs * intermediate].view(num_pairs, intermediate),
                 self.out_pairs[: num_pairs * hidden].view(num_pairs, hidden))
+
+
+def one_token_layout(top_k: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids, num_post_padded) of one token's pairs, for any top-k up to `top_k`: block j holds
+    pair j then sentinels (top_k, which is at least any such token's pair count), every block used.
+    With the token's topk_ids as the blocks' experts this is align.py's layout up to the order of
+    the blocks (the GEMMs index h and out_pairs by pair, so the order does not matter)."""
+    sorted_ids = torch.full((top_k * block_m,), top_k, dtype=torch.int32)
+    sorted_ids[::block_m] = torch.arange(top_k, dtype=torch.int32)
+    return sorted_ids.to(device), torch.tensor([top_k * block_m], dtype=torch.int32, device=device)
 
 
 class TritonMoeBackend(MoeBackend):
@@ -142,8 +156,12 @@ class TritonMoeBackend(MoeBackend):
         (num_tokens, top_k), (num_experts, hidden, intermediate) = ids.shape, w2.shape
         num_pairs = num_tokens * top_k
         config = self.launch_config(num_tokens, top_k, num_experts, intermediate, hidden, x.dtype)
-        layout = (ws.sorted_ids, ws.expert_ids, ws.num_post_padded)
-        num_blocks = align.align(ids, num_experts, config.block_m, *layout, ws.chunk_counts)
+        if num_tokens == 1 and ids.dtype == torch.int32:  # k distinct experts: no sort (the module docstring)
+            sorted_ids, num_post_padded = ws.one_token[config.block_m]
+            layout, num_blocks = (sorted_ids, ids.reshape(-1), num_post_padded), top_k
+        else:
+            layout = (ws.sorted_ids, ws.expert_ids, ws.num_post_padded)
+            num_blocks = align.align(ids, num_experts, config.block_m, *layout, ws.chunk_counts)
         h, out_pairs = ws.views(num_pairs, intermediate, hidden)
         if scales is None:
             gemm.gate_up(x, w13, h, *layout, top_k, num_blocks, config.block_m, config.gate_up)

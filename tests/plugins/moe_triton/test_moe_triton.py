@@ -183,6 +183,36 @@ def test_buffers_reused_with_new_routing():
     assert backend._workspaces[torch.float32] is workspace
 
 
+def test_one_token_takes_a_fixed_layout_without_the_sort(monkeypatch):
+    """Decode at bs 1: the token's k experts are distinct, so no align launch; every block height, a
+    layer whose top-k is below the workspace's (sentinels and unused blocks of the larger one), new
+    routings through the same buffers (a graph replay), and int64 ids (those still take align)."""
+    from backplane.plugins.moe_triton import backend as backend_module
+
+    calls = []
+    real_align = align.align
+    monkeypatch.setattr(backend_module.align, "align", lambda *a, **k: calls.append(a[0].shape) or real_align(*a, **k))
+    gen = torch.Generator().manual_seed(11)
+    wide, narrow = make_layer(16, gen), make_layer(16, gen)
+    for block_m in configs.BLOCK_MS:
+        backend = make_backend(max_num_tokens=8, config=Config(block_m, Launch(block_n=16, block_k=32),
+                                                               Launch(block_n=32, block_k=16)))
+        run_and_check(backend, wide, 1, 8, 16, gen)  # the workspace is sized for top-k 8
+        for kind in ("random", "one", "random"):
+            run_and_check(backend, narrow, 1, 2, 16, gen, kind)
+        sorted_ids, num_post = backend._workspaces[torch.float32].one_token[block_m]
+        assert sorted_ids.shape == (8 * block_m,) and int(num_post) == 8 * block_m
+        assert sorted_ids[::block_m].tolist() == list(range(8)) and set(sorted_ids.tolist()) - set(range(8)) == {8}
+    assert calls == []
+    backend = make_backend(max_num_tokens=8)
+    x = torch.randn(1, HIDDEN, generator=gen)
+    weights, ids = routing(1, 4, 16, gen)
+    out = backend.apply(wide, x, weights, ids.long())
+    torch.testing.assert_close(out.double(), reference(x, wide.w13_weight, wide.w2_weight, weights, ids), atol=1e-4, rtol=1e-4)
+    run_and_check(backend, wide, 2, 4, 16, gen)
+    assert calls == [(1, 4), (2, 4)]
+
+
 def test_bad_inputs_one_line():
     gen = torch.Generator().manual_seed(1)
     layer, backend = make_layer(4, gen), make_backend()
