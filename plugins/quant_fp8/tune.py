@@ -14,6 +14,7 @@ cut short (--budget) keeps what it measured.
     python -m backplane.plugins.quant_fp8.tune --out NVIDIA_H100_80GB_HBM3.json --budget 480  # llama-3.1-8b
     python -m backplane.plugins.quant_fp8.tune --shapes 6144,4096 --tokens 1 16 --kernels channel --out t.json
     python -m backplane.plugins.quant_fp8.tune --defaults --device-name "NVIDIA H200" --out x.json
+    python -m backplane.plugins.quant_fp8.tune --tokens 1 8 --update bundled --out t.json  # decode sizes again, the rest kept
 
 Copy the file to plugins/quant_fp8/configs/<GPU name, spaces as underscores>.json (the name is
 printed). --defaults writes default_launch's choices as an untuned table, without a GPU.
@@ -194,7 +195,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--defaults", action="store_true", help="write default_launch's choices as an untuned table")
     p.add_argument("--device-name", default=None, help="with --defaults: the device the table is for")
     p.add_argument("--sms", type=int, default=132, help="with --defaults: the device's SM count")
+    p.add_argument("--update", default=None, metavar="PATH|bundled",
+                   help="start from this table (bundled: this GPU's file in configs/): the cases tuned now replace "
+                        "its entries of the same kernel, shape and token count, the rest are kept")
     return p.parse_args(argv)
+
+
+def entry_key(e: dict) -> tuple:
+    """What a table entry is for: kernel, N, K, weight block and token count."""
+    return e["kernel"], e["N"], e["K"], tuple(e.get("block") or ()), e["tokens"]
+
+
+def merged(base: list[dict], tuned: list[dict]) -> list[dict]:
+    """`base`'s entries with those `tuned` measured again replaced in place, then the new ones."""
+    fresh = {entry_key(e): e for e in tuned}
+    kept = [fresh.pop(entry_key(e), e) for e in base]
+    return kept + list(fresh.values())
+
+
+def base_entries(update: str | None, device: str) -> list[dict]:
+    """The entries --update starts from (checked as cuda.py reads them); none without it."""
+    if update is None:
+        return []
+    path = cuda.CONFIG_DIR / cuda.device_file_name(device) if update == "bundled" else Path(update)
+    if update == "bundled" and not path.exists():
+        print(f"--update bundled: no table for {device} in {cuda.CONFIG_DIR.name}/; starting empty", flush=True)
+        return []
+    cuda.load_table(path, option="--update")  # a one-line error for a file cuda.py would refuse
+    return json.loads(path.read_text())["entries"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune: needs a CUDA GPU (or --defaults)")
     device, began, entries = torch.cuda.get_device_name(), time.monotonic(), []
+    base = base_entries(ns.update, device)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for m, key in cases:
@@ -220,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{key[0]} N {key[1]} K {key[2]} M {m}: {e['us']:.1f} µs (default {e['default_us']:.1f}, "
               f"tl.dot {e.get('dot_us', '-')}, GEMV {e.get('gemv_us', '-')}, _scaled_mm {e.get('scaled_mm_us', '-')}) use {e['use']} {Launch(**{f: e[f] for f in cuda._LAUNCH_FIELDS})}",
               flush=True)
-        write(out, device, True, entries)
-    print(f"wrote {out} ({len(entries)} entries); copy it to plugins/quant_fp8/configs/{cuda.device_file_name(device)}")
+        write(out, device, True, merged(base, entries))
+    print(f"wrote {out} ({len(merged(base, entries))} entries, {len(entries)} tuned now); copy it to plugins/quant_fp8/configs/{cuda.device_file_name(device)}")
 
 
 if __name__ == "__main__":
