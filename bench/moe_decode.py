@@ -126,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="profile one engine step at these batch sizes (of --batch-sizes): kernels, gaps, per-layer groups")
     p.add_argument("--moe-configs", default=None, metavar="PATH",
                    help="the moe_triton launch table (--triton-moe.configs); default: the bundled one of this GPU")
+    p.add_argument("--no-one-token-layout", action="store_true",
+                   help="moe_triton sorts one token's pairs with align as it does more (--no-triton-moe.one-token-layout)")
     ns = p.parse_args(argv)
     if ns.check_steps < 2 or ns.steps < 1 or ns.prompt < 1 or ns.rounds < 1 or min(ns.batch_sizes) < 1:
         p.error("expected --check-steps >= 2 and --steps, --prompt, --rounds, --batch-sizes >= 1")
@@ -141,7 +143,14 @@ def engine_settings(ns: argparse.Namespace, model_dir: Path) -> dict:
                 cuda_graph_bs=sorted(ns.batch_sizes),
                 max_total_tokens=2 * bs * (ns.prompt + ns.check_steps + ns.steps + 64),
                 chunked_prefill_size=max(bs * ns.prompt, 256),
-                plugin_options={"triton-moe": {"configs": ns.moe_configs}} if ns.moe_configs else None)
+                plugin_options=moe_options(ns))
+
+
+def moe_options(ns: argparse.Namespace) -> dict | None:
+    """The engine's plugin_options for moe_triton: --moe-configs and --no-one-token-layout."""
+    options = {**({"configs": ns.moe_configs} if ns.moe_configs else {}),
+               **({"one_token_layout": False} if ns.no_one_token_layout else {})}
+    return {"triton-moe": options} if options else None
 
 
 # -- the floor ------------------------------------------------------------------------------------
@@ -375,9 +384,11 @@ def run(ns: argparse.Namespace, engine: Engine, payload: dict, device: torch.dev
 
 
 def result_subject(ns: argparse.Namespace) -> str:
-    """The result file's subject: the model, any --custom-ops and --moe-configs (two runs of one call keep apart)."""
+    """The result file's subject: the model, any --custom-ops, --moe-configs and --no-one-token-layout (two
+    runs of one call keep apart)."""
     configs = [f"configs-{Path(ns.moe_configs).stem}"] if ns.moe_configs else []
-    return "-".join([ns.model, *(op.replace("=", "-") for op in ns.custom_ops), *configs])
+    sorted_ = ["sorted-one-token"] if ns.no_one_token_layout else []
+    return "-".join([ns.model, *(op.replace("=", "-") for op in ns.custom_ops), *configs, *sorted_])
 
 
 def verdicts(rows: list[dict]) -> dict:

@@ -132,6 +132,9 @@ GROUPS: dict[str, list[Job]] = {
                                      "1", "2", "4", "8", "16", "32", "--budget", "150", "--out", "{out}/moe_triton_configs.json")),
                 bench("moe-bs1-bundled", "moe_decode --batch-sizes 1 --rounds 5 --profile 1"),
                 bench("moe-bs1-tuned", "moe_decode --batch-sizes 1 --rounds 5 --profile 1 --moe-configs {out}/moe_triton_configs.json")],
+    # one token's fixed layout (6cf05a4) against align's sort, bs 1, the bundled table: two processes
+    "moe-one-token-ab": [bench("moe-decode-sorted-one-token", "moe_decode --batch-sizes 1 --rounds 5 --no-one-token-layout"),
+                         bench("moe-decode-one-token-layout", "moe_decode --batch-sizes 1 --rounds 5")],
     # the fused router (4a29b89) against the default, bs 1, one call: two processes, each with its peer
     "moe-route-ab": [bench("moe-decode-native-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=native"),
                      bench("moe-decode-triton-route", "moe_decode --batch-sizes 1 --rounds 5 --custom-ops moe_route=triton")],  # one process: engine and peer share the ~61 GB of weights

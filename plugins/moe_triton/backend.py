@@ -100,6 +100,7 @@ class TritonMoeBackend(MoeBackend):
         self.ctx, self.config = ctx, config
         options = ctx.options if isinstance(ctx.options, TritonMoeOptions) else TritonMoeOptions()
         self.table = configs.table_for(ctx.device, options.configs) if options.tuned else ConfigTable()
+        self.one_token_layout = options.one_token_layout
         self._workspaces: dict[torch.dtype, Workspace] = {}
         self._retired: list[Workspace] = []  # NOTE: graphs captured before a workspace grew still read these
         self._configs: dict[tuple, Config] = {}
@@ -156,7 +157,7 @@ class TritonMoeBackend(MoeBackend):
         (num_tokens, top_k), (num_experts, hidden, intermediate) = ids.shape, w2.shape
         num_pairs = num_tokens * top_k
         config = self.launch_config(num_tokens, top_k, num_experts, intermediate, hidden, x.dtype)
-        if num_tokens == 1 and ids.dtype == torch.int32:  # k distinct experts: no sort (the module docstring)
+        if num_tokens == 1 and ids.dtype == torch.int32 and self.one_token_layout:  # no sort (the module docstring)
             sorted_ids, num_post_padded = ws.one_token[config.block_m]
             layout, num_blocks = (sorted_ids, ids.reshape(-1), num_post_padded), top_k
         else:

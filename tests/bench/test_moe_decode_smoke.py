@@ -208,3 +208,25 @@ def test_the_moe_bs1_group_tunes_then_runs_both_tables_one_after_another():
     for ns in (bundled, fresh):
         assert ns.batch_sizes == [1] and ns.rounds == 5 and ns.profile == [1]
     assert moe_decode.result_subject(bundled) != moe_decode.result_subject(fresh)
+
+
+def test_the_one_token_layout_ab_reaches_moe_triton_and_keeps_the_results_apart(tmp_path):
+    """--no-one-token-layout is moe_triton's one_token_layout false (align sorts one token too): the
+    group moe-one-token-ab runs both, one after another, into two result files."""
+    from backplane.contracts.moe import MoeBackendContext
+    from backplane.plugins.moe_triton.backend import TritonMoeBackend
+    from backplane.plugins.moe_triton.options import TritonMoeOptions
+    from bench import run
+
+    sorted_ns = moe_decode.parse_args(["--no-one-token-layout", "--moe-configs", "t.json"])
+    options = moe_decode.engine_settings(sorted_ns, tmp_path)["plugin_options"]["triton-moe"]
+    assert options == {"configs": "t.json", "one_token_layout": False}
+    ctx = MoeBackendContext(dtype=torch.float32, device=torch.device("cpu"), max_num_tokens=4,
+                            options=TritonMoeOptions(one_token_layout=options["one_token_layout"]))
+    assert TritonMoeBackend(ctx).one_token_layout is False
+    assert TritonMoeBackend(MoeBackendContext(torch.float32, torch.device("cpu"), 4)).one_token_layout is True
+    jobs = run.GROUPS["moe-one-token-ab"]
+    assert not any(j.together for j in jobs)
+    a, b = (moe_decode.parse_args(list(j.argv[2:])) for j in jobs)
+    assert a.no_one_token_layout and not b.no_one_token_layout and a.batch_sizes == b.batch_sizes == [1]
+    assert moe_decode.result_subject(a) == "qwen3-30b-a3b-sorted-one-token" != moe_decode.result_subject(b)

@@ -211,6 +211,11 @@ def test_one_token_takes_a_fixed_layout_without_the_sort(monkeypatch):
     torch.testing.assert_close(out.double(), reference(x, wide.w13_weight, wide.w2_weight, weights, ids), atol=1e-4, rtol=1e-4)
     run_and_check(backend, wide, 2, 4, 16, gen)
     assert calls == [(1, 4), (2, 4)]
+    from backplane.plugins.moe_triton.options import TritonMoeOptions  # --no-triton-moe.one-token-layout: align again
+
+    ctx = MoeBackendContext(torch.float32, torch.device("cpu"), 8, options=TritonMoeOptions(one_token_layout=False))
+    run_and_check(TritonMoeBackend(ctx), wide, 1, 4, 16, gen)
+    assert calls == [(1, 4), (2, 4), (1, 4)]
 
 
 def test_bad_inputs_one_line():
