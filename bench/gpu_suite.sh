@@ -28,15 +28,16 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || cat .device/commit 2>/dev/nul
 
 declare -A FILES=(
   [extend]="tests/gpu/test_extend_graphs_gpu.py tests/gpu/test_piecewise_gpu.py tests/lora/test_lora_extend_graphs.py tests/gpu/test_one_token_extend_gpu.py tests/executor/test_replay_inputs.py tests/gpu/test_overlap_gpu.py"
-  [fp8]="tests/plugins/quant_fp8 tests/gpu/test_fp8_kv_gpu.py tests/lora/test_lora_fp8_base.py"
+  [fp8]="tests/plugins/quant_fp8 tests/gpu/test_fp8_kv_gpu.py tests/attention/test_fp8_kv_decode_gpu.py tests/lora/test_lora_fp8_base.py"
   [models]="-k graphs tests/models/test_model_conformance.py tests/plugins/model_gemma tests/plugins/model_phi3 tests/plugins/test_newcomer_olmo2.py tests/plugins/model_moe/test_model_moe_conformance.py"
   [moe]="tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_fp8_gpu.py tests/plugins/model_moe/test_moe_gpu.py tests/testing/test_moe_conformance.py tests/moe"
   [windows]="tests/attention/test_tree_verify_window.py"
   [hostpath]="--deselect tests/gpu/test_graph_runner_gpu.py::test_second_runner_shares_the_pool tests/gpu/test_attention_flashinfer_gpu.py tests/gpu/test_greedy_sample_gpu.py tests/scheduler/test_launch_copy.py tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py"
   [pool]="-k shares_the_pool tests/gpu/test_graph_runner_gpu.py"
-  # eighth session's changes that no GPU has run: FlashInfer's rotary only where it rotates correctly
-  # (b0c2ec5: the LoRA-over-FP8 failure), the moe_route Triton op (4a29b89)
-  [recheck]="tests/plugins/attention_flashinfer/test_flashinfer_rope_dims.py::test_every_head_size_rotates_as_native_on_cuda tests/gpu/test_ops_triton_gpu.py::test_moe_route_bf16 tests/gpu/test_ops_triton_gpu.py::test_moe_route_inside_a_captured_cuda_graph tests/lora/test_lora_fp8_base.py::test_gpu_both_backends_over_fp8_in_bf16"
+  # ninth session's changes that no GPU has run: FP8-KV decode settings by element size (b30718b), the
+  # GEMV FP8 launches (e0aab88), moe_triton's one-token layout (6cf05a4) through the kernels, the MoE
+  # models and the conformance graph cases, and the quick MoE tune (70597ff)
+  [recheck]="tests/attention/test_fp8_kv_decode_gpu.py tests/plugins/quant_fp8/test_gemv_kernel_gpu.py tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_tune.py tests/testing/test_moe_conformance.py tests/plugins/model_moe/test_moe_gpu.py"
 )
 # Areas that never run under XDIST: tests that read the device's free memory or the graph pool's growth
 # (pytest workers share the one device: test_second_runner_shares_the_pool failed that way at 201eb06

@@ -13,11 +13,13 @@ plugin runs at that size (the card's launch table, else the defaults and the thr
 On CPU (TRITON_INTERPRET=1, float32, a small preset) the code path only; torch._scaled_mm is skipped.
 
     python -m bench.quant_kernels --model llama-3.1-8b --tokens 1 8 32 128 512
+    python -m bench.quant_kernels --tokens 1 8 --configs t.json   # a table tune.py just wrote
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +43,7 @@ COLUMNS = [("linear", "linear", ""), ("M", "tokens", "d"), ("triton", "triton_us
 class Linear:
     """One linear's weight [N, K] as bf16, FP8 with per-channel scales and FP8 with block scales; x [M, K]."""
 
-    def __init__(self, n: int, k: int, m: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, n: int, k: int, m: int, device: torch.device, dtype: torch.dtype, source=None):
         from backplane.plugins.quant_fp8 import quantize as fq
         from backplane.plugins.quant_fp8.kernels import new_counters
 
@@ -52,6 +54,7 @@ class Linear:
         self.qb, self.sb = fq.quantize_weight_blocks(w, *BLOCK)
         self.x = torch.randn(m, k, device=device).to(dtype)
         self.counters = new_counters(self.q)
+        self.source = source  # cuda.TableSource of --configs; None: the card's bundled table
 
     def launches(self):
         """(what cuda_linear runs, the channel launch, the block launch) at this size."""
@@ -59,8 +62,9 @@ class Linear:
 
         block_key = ("block", *self.key[1:3], BLOCK)
         if self.x.is_cuda:
-            use, launch = cuda.choose(self.key, self.m, self.x.dtype, self.x.device)
-            return use, launch, cuda.choose(block_key, self.m, self.x.dtype, self.x.device)[1]
+            source = self.source or cuda.BUNDLED
+            use, launch = cuda.choose(self.key, self.m, self.x.dtype, self.x.device, source)
+            return use, launch, cuda.choose(block_key, self.m, self.x.dtype, self.x.device, source)[1]
         size = self.x.element_size()
         return "triton", cuda.default_launch(self.key, self.m, size, 132), cuda.default_launch(block_key, self.m, size, 132)
 
@@ -107,9 +111,9 @@ def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
     return {name: (sum(shapes[p][1] for p in parts), shapes[parts[0]][0]) for name, parts in LINEARS.items()}
 
 
-def linear_report(name: str, n: int, k: int, m: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """One linear at M tokens: µs of every variant, the floor and the ratios."""
-    lin = Linear(n, k, m, device, dtype)
+def linear_report(name: str, n: int, k: int, m: int, device: torch.device, dtype: torch.dtype, source=None) -> dict:
+    """One linear at M tokens: µs of every variant, the floor and the ratios (launches from `source`'s table)."""
+    lin = Linear(n, k, m, device, dtype, source)
     use, launch, block_launch = lin.launches()
     variants = lin.variants(launch, block_launch)
     lin.check(variants)
@@ -148,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.parser(__doc__)
     p.add_argument("--model", default="llama-3.1-8b", help="a model preset (its linear shapes)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    p.add_argument("--configs", default=None, metavar="PATH",
+                   help="the launch table cuda_linear reads (the engine's --fp8.configs); default: the card's bundled one")
     return p.parse_args(argv)
 
 
@@ -156,9 +162,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(ns.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    rows = [linear_report(name, n, k, m, device, dtype) for m in ns.tokens for name, (n, k) in linear_shapes(ns.model).items()]
+    source = None
+    if ns.configs:
+        from backplane.plugins.quant_fp8 import cuda
+
+        source = cuda.table_source(ns.configs)  # a one-line error now for a file cuda.py would refuse
+    rows = [linear_report(name, n, k, m, device, dtype, source)
+            for m in ns.tokens for name, (n, k) in linear_shapes(ns.model).items()]
     rows = with_totals(rows, ns.tokens)
-    report.write_result("quant-kernels", ns.model, {"args": vars(ns), "copy_tb_s": copy_tb_s(device.type), "rows": rows},
+    subject = ns.model if not ns.configs else f"{ns.model}-configs-{Path(ns.configs).stem}"
+    report.write_result("quant-kernels", subject, {"args": vars(ns), "copy_tb_s": copy_tb_s(device.type), "rows": rows},
                         ns.out, ns.device)
     print(report.table(rows, COLUMNS, f"{ns.model}: FP8 GEMMs, µs (L2-cold); verdict: triton <= {TARGET_VS_FLOOR}x "
                                       "the FP8 weight-read floor at M <= 64"))

@@ -50,3 +50,26 @@ def test_update_from_a_bad_file_is_one_line(tmp_path):
         tune.base_entries(str(bad), H100)
     assert "\n" not in str(err.value)
     assert tune.parse_args(["--out", "x.json", "--update", "bundled"]).update == "bundled"
+
+
+def test_the_quant_gemv_group_tunes_over_the_bundled_table_then_measures_on_it():
+    import helpers_bench  # noqa: F401 - the repository root on sys.path
+    from bench import decode, quant_kernels, run
+
+    jobs = {j.name: j for j in run.GROUPS["quant-gemv"]}
+    tuned = tune.parse_args(list(jobs["quant-gemv-tune"].argv[2:]))
+    assert tuned.update == "bundled" and tuned.tokens == [1, 8] and tuned.out == "{out}/quant_fp8_configs.json"
+    kernels = quant_kernels.parse_args(list(jobs["quant-gemv-kernels"].argv[2:]))
+    assert kernels.configs == tuned.out and kernels.tokens == [1, 8]
+    step = decode.parse_args(list(jobs["quant-gemv-decode"].argv[2:]))
+    assert dict(jobs["quant-gemv-decode"].env) == {"BACKPLANE_FP8__CONFIGS": tuned.out} and "fp8" in step.variants
+    assert not any(j.together for j in jobs.values())
+
+
+def test_the_kernel_bench_takes_a_table_and_refuses_a_bad_one(tmp_path):
+    import helpers_bench  # noqa: F401
+    from bench import quant_kernels
+
+    with pytest.raises(ValueError, match=r"--fp8.configs .*missing.json does not exist"):
+        quant_kernels.main(["--tokens", "1", "--configs", str(tmp_path / "missing.json"), "--device", "cpu",
+                            "--out", str(tmp_path)])
