@@ -44,7 +44,8 @@ from bench import report, steps, timing
 from bench.timing import MATMUL_PEAK_FLOP_S, copy_tb_s, matmul_peak_flop_s, sync
 from bench.workload import model_sizes, prompts, shapes, shared_prefix, weight_bytes
 
-COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("quant", "quantization", ""), ("cache", "cache", ""),
+COLUMNS = [("workload", "workload", ""), ("backend", "backend", ""), ("quant", "quantization", ""), ("kv", "kv_cache_dtype", ""),
+           ("cache", "cache", ""),
            ("extend graph", "extend_graph", ""), ("tok/s", "tok_s", ".0f"),
            ("TPOT ms", "tpot_ms", ".2f"), ("TTFT ms", "ttft_ms", ".0f"), ("prefill tokens", "prefill_tokens", "d"),
            ("floor tok/s", "floor_tok_s", ".0f"), ("of floor", "of_floor", ".0%"), ("runs s", "runs", "")]
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-graph", nargs="+", choices=["on", "off"], default=["on"],
                    help="extend (prefill) CUDA graphs on or off (--disable-extend-graph), each an engine")
     p.add_argument("--quantization", nargs="+", default=["none"], help="--quantization of each engine (none, fp8, ...)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
+                   help="--kv-cache-dtype of each engine (with each --quantization)")
     p.add_argument("--gc-freeze", choices=["on", "off"], default="on",
                    help="the engines' --gc-freeze: an offline job runs one engine until it ends, as a serving "
                         "process does (a full collection of the unfrozen startup heap is ~0.1 s)")
@@ -174,16 +177,16 @@ def run_workload(ns: argparse.Namespace, engine: Engine, kind: str, tb_s: float)
 
 
 def run_engine(ns: argparse.Namespace, backend: str, cache: str, tb_s: float, extend_graph: str = "on",
-               quantization: str = "none") -> list[dict]:
+               quantization: str = "none", kv_cache_dtype: str = "auto") -> list[dict]:
     # Graphs up to the running batch: past --cuda-graph-max-bs (160 by default) a decode step runs
     # eagerly, which on a small model costs several times the replayed step.
     settings = dict(model=ns.model, device=ns.device, attention_backend=backend, max_running_requests=ns.max_running,
                     cuda_graph_max_bs=ns.max_running, disable_radix_cache=cache == "off",
                     disable_extend_graph=extend_graph == "off", quantization=quantization,
-                    gc_freeze=ns.gc_freeze == "on")
+                    kv_cache_dtype=kv_cache_dtype, gc_freeze=ns.gc_freeze == "on")
     rows = steps.with_engine(settings, lambda engine: [run_workload(ns, engine, kind, tb_s) for kind in ns.workloads])
     return [r | {"backend": backend, "cache": cache, "extend_graph": extend_graph, "quantization": quantization,
-                 "gc_freeze": ns.gc_freeze} for r in rows]
+                 "kv_cache_dtype": kv_cache_dtype, "gc_freeze": ns.gc_freeze} for r in rows]
 
 
 class StepTags:
@@ -378,12 +381,15 @@ def gains(rows: list[dict], setting: str) -> list[str]:
             for (w, b, o, c), r in by.items() if c == "off" and (w, b, o, "on") in by]
 
 
-def quant_gains(rows: list[dict], base: str) -> list[str]:
-    """Per workload, backend, cache and extend-graph setting: each other --quantization's tokens/s over `base`'s."""
+def quant_gains(rows: list[dict], base: str, base_kv: str = "auto") -> list[str]:
+    """Per workload, backend, cache and extend-graph setting: each other (--quantization, --kv-cache-dtype)'s
+    tokens/s over (base, base_kv)'s."""
     key = lambda r: (r["workload"], r["backend"], r["cache"], r["extend_graph"])  # noqa: E731
-    first = {key(r): r for r in rows if r["quantization"] == base}
-    return [f"{r['workload']} {r['backend']}: {r['quantization']} / {base} = {r['tok_s'] / first[key(r)]['tok_s']:.2f}x tok/s"
-            for r in rows if r["quantization"] != base and key(r) in first]
+    kind = lambda r: (r["quantization"], r.get("kv_cache_dtype", "auto"))  # noqa: E731
+    name = lambda q, kv: q if kv == "auto" else f"{q} + {kv} KV"  # noqa: E731
+    first = {key(r): r for r in rows if kind(r) == (base, base_kv)}
+    return [f"{r['workload']} {r['backend']}: {name(*kind(r))} / {name(base, base_kv)} = "
+            f"{r['tok_s'] / first[key(r)]['tok_s']:.2f}x tok/s" for r in rows if kind(r) != (base, base_kv) and key(r) in first]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -393,11 +399,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for cache in ns.cache:
             for extend_graph in ns.extend_graph:
                 for quant in ns.quantization:
-                    rows += run_engine(ns, backend, cache, tb_s, extend_graph, quant)
-                    payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
-                    report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
+                    for kv in ns.kv_cache_dtype:
+                        rows += run_engine(ns, backend, cache, tb_s, extend_graph, quant, kv)
+                        payload = {"args": vars(ns), "copy_tb_s": tb_s, "rows": rows}
+                        report.write_result("e2e", ns.model, payload, ns.out, ns.device)  # kept if a later engine fails
     print(report.table(sorted(rows, key=lambda r: r["workload"]), COLUMNS, f"{ns.model}, copy {tb_s:.2f} TB/s"))
-    print("\n".join(gains(rows, "cache") + gains(rows, "extend_graph") + quant_gains(rows, ns.quantization[0])))
+    print("\n".join(gains(rows, "cache") + gains(rows, "extend_graph") + quant_gains(rows, ns.quantization[0], ns.kv_cache_dtype[0])))
     if ns.profile:
         print_profiles([r for r in rows if "profile" in r])
     return rows

@@ -145,7 +145,7 @@ GROUPS: dict[str, list[Job]] = {
     "quant-prefill": [bench("quant-prefill-8b", "prefill --models llama-3.1-8b --backends triton --cases 4x2048 1x512 "
                             "--probe 0 0 --repeats 3 --quantization none fp8")],
     "quant-e2e": [bench("quant-e2e-8b", "e2e --model llama-3.1-8b --backends triton --workloads fixed "
-                        "--quantization none fp8")],
+                        "--quantization none fp8 --kv-cache-dtype auto fp8_e4m3")],
     "quant-kernels": [tests("quant-tests", "tests/plugins/quant_fp8"), bench("quant-kernels", "quant_kernels")],
     # e0aab88's GEMV launches: their GPU tests, a re-tune of 1 and 8 tokens over the bundled table (GEMV
     # candidates among tl.dot's), the kernels and the 8B decode step on that table, one call

@@ -73,3 +73,23 @@ def test_an_fp8_models_prefill_floor_counts_its_linears_at_the_fp8_peak():
     whole, half_linears = prefill.floor_ms(config, 2, 8), prefill.floor_ms(config, 2, 8, FP8_MATMUL_PEAK_FLOP_S)
     attention = 4 * 4 * 16 * 8 * 9 / 2 * 2 * 2 / MATMUL_PEAK_FLOP_S * 1e3  # the causal attention's part stays at bf16
     assert half_linears == pytest.approx((whole - attention) / 2 + attention)
+
+
+def test_e2e_crosses_quantization_with_the_kv_cache_dtype_and_sets_each_beside_bf16(monkeypatch):
+    built = []
+
+    def fake_engine(settings, fn):
+        built.append((settings["quantization"], settings["kv_cache_dtype"]))
+        speed = {("none", "auto"): 100.0, ("none", "fp8_e4m3"): 110.0, ("fp8", "auto"): 124.0, ("fp8", "fp8_e4m3"): 150.0}
+        return [{"workload": "fixed", "tok_s": speed[built[-1]], "prefill_tokens": 8}]
+
+    monkeypatch.setattr(e2e.steps, "with_engine", fake_engine)
+    ns = e2e.parse_args(["--backends", "triton", "--quantization", "none", "fp8", "--kv-cache-dtype", "auto", "fp8_e4m3"])
+    rows = [r for q in ns.quantization for kv in ns.kv_cache_dtype for r in e2e.run_engine(ns, "triton", "on", 1.0, "on", q, kv)]
+    assert built == [("none", "auto"), ("none", "fp8_e4m3"), ("fp8", "auto"), ("fp8", "fp8_e4m3")]
+    assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp8_e4m3", "auto", "fp8_e4m3"]
+    assert e2e.quant_gains(rows, "none", "auto") == [
+        "fixed triton: none + fp8_e4m3 KV / none = 1.10x tok/s", "fixed triton: fp8 / none = 1.24x tok/s",
+        "fixed triton: fp8 + fp8_e4m3 KV / none = 1.50x tok/s"]
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--kv-cache-dtype", "fp16"])
