@@ -52,6 +52,7 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 MIN_BLOCK_N = 16  # the narrowest output tile; new_counters holds one counter per MIN_BLOCK_N columns
 QUANT_GROUP = 128  # quantize_rows holds a row as [cdiv(K, QUANT_GROUP), QUANT_GROUP] in per-token mode
 MAX_ROW = 1 << 16  # quantize_rows holds a whole row in registers: K up to this
+AMAX_ELEMENTS = 4096  # the fused quantization's pre-pass loads x in tiles of about this many elements
 GEMV_MAX_ROWS = 8  # the GEMV kernels loop over x's rows one at a time (unrolled): M up to this
 
 
@@ -206,7 +207,8 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
 def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                     stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
                     FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr, SCALE_UB: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_COLS: tl.constexpr,
+                    AMAX_STEPS: tl.constexpr):
     """Program (n, s, m): output tile m x n over K slice s. x fp8 [M, K] with scales sx (stride 0:
     one scale), or (FUSE_QUANT) x in the model dtype, quantized per row here: first the rows' maxima
     over all of K (bounded by SCALE_UB unless 0), then each K step as it is loaded. ONE_ROW (M = 1):
@@ -222,18 +224,12 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
     first = pid_k * tl.cdiv(steps, split_k)
     last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
     if FUSE_QUANT and ONE_ROW:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for step in range(0, steps):
-            k = step * BLOCK_K + rk
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)))
-        row_scale = _row_scale_of(tl.max(amax, axis=0), SCALE_UB)
+        first_row = tl.zeros((1,), dtype=tl.int32)
+        amax = tl.max(_rows_amax(x_ptr, first_row, stride_xm, K, 1, AMAX_COLS, AMAX_STEPS), axis=0)
+        row_scale = _row_scale_of(amax, SCALE_UB)
         sx = tl.zeros((BLOCK_M,), dtype=tl.float32) + row_scale
     elif FUSE_QUANT:
-        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for step in range(0, steps):
-            k = step * BLOCK_K + rk
-            amax = tl.maximum(amax, tl.abs(tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0).to(tl.float32)))
-        sx = _row_scale_of(tl.max(amax, axis=1), SCALE_UB)
+        sx = _row_scale_of(_rows_amax(x_ptr, rm_in, stride_xm, K, BLOCK_M, AMAX_COLS, AMAX_STEPS), SCALE_UB)
     else:
         sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -330,9 +326,30 @@ def _weight_tile(w_rows, k, end, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _rows_amax(x_ptr, rows, stride_xm, K, ROWS_PAD: tl.constexpr, AMAX_COLS: tl.constexpr,
+               AMAX_STEPS: tl.constexpr):
+    """Each row's max |x| over all of K ([ROWS_PAD], fp32): AMAX_STEPS loads of [ROWS_PAD, AMAX_COLS]
+    (amax_tiles), unrolled so that they are in flight together. A loop over K waited for each load's
+    L2 round trip in turn before the GEMM's first weight tile was asked for."""
+    cols = tl.arange(0, AMAX_COLS)
+    amax = tl.zeros((ROWS_PAD, AMAX_COLS), dtype=tl.float32)
+    for step in tl.static_range(AMAX_STEPS):
+        k = step * AMAX_COLS + cols
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=k[None, :] < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    return tl.max(amax, axis=1)
+
+
+@triton.jit
 def _pick(values, rows, r: tl.constexpr):
     """values [BLOCK_M] -> its entry r (a scalar; the other entries add zeros, so exactly it)."""
     return tl.sum(tl.where(rows == r, values, 0.0), axis=0)
+
+
+@triton.jit
+def _pick_row(tile, rows, r: tl.constexpr):
+    """tile [BLOCK_M, BLOCK_K] -> its row r [BLOCK_K] (the other rows add zeros, so exactly it)."""
+    return tl.sum(tl.where(rows[:, None] == r, tile, 0.0), axis=0)
 
 
 @triton.jit
@@ -346,7 +363,7 @@ def _channel_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, 
                          stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
                          FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, SCALE_UB: tl.constexpr, ROWS: tl.constexpr,
                          PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, AMAX_COLS: tl.constexpr, AMAX_STEPS: tl.constexpr):
     """Program (n, s): columns n of all ROWS (= M) rows over K slice s; x and its scales as in
     _channel_kernel (FUSE_QUANT: each row's max over all of K first, the same scale), BLOCK_M the
     rows padded to a power of two."""
@@ -360,27 +377,27 @@ def _channel_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, 
     first = pid_k * tl.cdiv(steps, split_k)
     last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
     if FUSE_QUANT:
-        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for step in range(0, steps):
-            k = step * BLOCK_K + rk
-            x = tl.load(x_ptr + rm_in[:, None] * stride_xm + k[None, :], mask=k[None, :] < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        sx = _row_scale_of(tl.max(amax, axis=1), SCALE_UB)
+        sx = _row_scale_of(_rows_amax(x_ptr, rm_in, stride_xm, K, BLOCK_M, AMAX_COLS, AMAX_STEPS), SCALE_UB)
     else:
         sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     end = tl.minimum(K, last * BLOCK_K)  # the K slice's end: no prefetch past it
-    if PREFETCH:
+    x_rows = x_ptr + rm_in[:, None] * stride_xm  # [BLOCK_M, 1]
+    if PREFETCH:  # NOTE: x's rows too: plain loads, never pipelined by Triton, each step would wait for L2
         w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
+        x_next = _weight_tile(x_rows, first * BLOCK_K + rk, end, True)
     for step in range(first, last):
         k = step * BLOCK_K + rk
         if PREFETCH:
-            w = w_next.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            w, x_tile = w_next.to(tl.float32), x_next.to(tl.float32)  # [BLOCK_N, BLOCK_K], [BLOCK_M, BLOCK_K]
             w_next = _weight_tile(w_rows, k + BLOCK_K, end, True)
+            x_next = _weight_tile(x_rows, k + BLOCK_K, end, True)
         else:
             w = _weight_tile(w_rows, k, K, not EVEN_K).to(tl.float32)
         for r in tl.static_range(ROWS):
-            if EVEN_K:
+            if PREFETCH:
+                a = _pick_row(x_tile, rm, r)
+            elif EVEN_K:
                 a = tl.load(x_ptr + r * stride_xm + k).to(tl.float32)
             else:
                 a = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
@@ -459,10 +476,20 @@ def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if x_scale is None and not launch.fuse_quant:
         x, x_scale = quantize_rows(x, scale_ub=scale_ub)
     sx = x_scale.reshape(-1) if x_scale is not None else sw  # unread when x is quantized in the GEMM
-    kernel = _channel_gemv_kernel if _gemv("channel_matmul", launch, x.shape[0]) else _channel_kernel
+    gemv = _gemv("channel_matmul", launch, x.shape[0])
+    kernel = _channel_gemv_kernel if gemv else _channel_kernel
+    amax_rows = triton.next_power_of_2(x.shape[0]) if gemv else (1 if x.shape[0] == 1 else block_m_for(x.shape[0]))
     return _launch(kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
-                   launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0, SCALE_UB=_bound(scale_ub)),
+                   launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0, SCALE_UB=_bound(scale_ub),
+                                        **amax_tiles(amax_rows, x.shape[1])),
                    (int(sx.numel() > 1), int(sw.numel() > 1)))
+
+
+def amax_tiles(rows: int, k: int) -> dict:
+    """The fused quantization's pre-pass over x (_rows_amax): AMAX_STEPS tiles of [rows, AMAX_COLS],
+    about 4096 elements each (32 a thread at 4 warps), all of K."""
+    cols = max(16, min(triton.next_power_of_2(max(k, 1)), AMAX_ELEMENTS // rows))
+    return dict(AMAX_COLS=cols, AMAX_STEPS=triton.cdiv(max(k, 1), cols))
 
 
 def _gemv(name: str, launch: Launch, m: int) -> bool:

@@ -29,15 +29,16 @@ def _no_dot_kernel(monkeypatch):
         monkeypatch.setattr(qk, name, None)
 
 
+@pytest.mark.parametrize("stages", [1, 3])  # 1: x and w loaded in each step; more: both prefetched a step ahead
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_channel_gemv_matches_the_reference_and_the_dot_kernel(m, fuse, split, with_bias, monkeypatch):
+def test_channel_gemv_matches_the_reference_and_the_dot_kernel(m, fuse, split, with_bias, stages, monkeypatch):
     q_w, s_w = channel_weights(N, K, seed=m)
     x = activations(m, K, seed=m + 1)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(m)) if with_bias else None
-    launch = qk.Launch(block_n=32, block_k=32, split_k=split, fuse_quant=fuse, gemv=True)
+    launch = qk.Launch(block_n=32, block_k=32, split_k=split, num_stages=stages, fuse_quant=fuse, gemv=True)
     dot = qk.channel_matmul(x, q_w, s_w, bias, dataclasses.replace(launch, gemv=False))
     counters = qk.new_counters(q_w)
     _no_dot_kernel(monkeypatch)
