@@ -127,6 +127,20 @@ def test_bf16_above_the_threshold_takes_scaled_mm():
 SPLIT = qk.Launch(64, 128, split_k=4, num_stages=4)
 
 
+def capture(run):
+    """(run's eager result, a CUDA graph of run, the graph's output): warmed up on a side stream, as
+    torch's graph capture wants, then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = run().clone()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return eager, graph, out
+
+
 @pytest.mark.parametrize("path", ["channel", "block", "channel-split", "block-split"])
 @pytest.mark.parametrize("with_counters", [True, False])
 @pytest.mark.parametrize("m", [1, 8, 64])
@@ -147,14 +161,7 @@ def test_the_decode_path_replays_in_a_graph(path, with_counters, m):
             return qk.block_matmul(x, q_w, s_w, scheme.block, bias, split, counters)
         return cuda.cuda_linear(scheme, x, q_w, s_w, None, bias, counters)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        eager = run().clone()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    eager, graph, out = capture(run)
     for seed in (11, 12):
         x.copy_(inputs(m, k, n, seed=seed)[0])
         graph.replay()

@@ -11,7 +11,7 @@ import torch
 
 from backplane.plugins.quant_fp8 import kernels as qk
 from backplane.plugins.quant_fp8.reference import reference_linear
-from test_decode_kernel_gpu import BF16, BLOCKWISE, CHANNEL, inputs, weights
+from test_decode_kernel_gpu import BF16, BLOCKWISE, CHANNEL, capture, inputs, weights
 
 pytestmark = pytest.mark.gpu
 
@@ -60,14 +60,7 @@ def test_a_gemv_launch_replays_in_a_graph(kernel, m):
             return qk.block_matmul(x, q_w, s_w, scheme.block, bias, launch, counters)
         return qk.channel_matmul(x, q_w, s_w, bias, launch, counters)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        eager = run().clone()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    eager, graph, out = capture(run)
     for seed in (11, 12):
         x.copy_(inputs(m, k, n, seed=seed)[0])
         graph.replay()
