@@ -35,9 +35,9 @@ declare -A FILES=(
   [hostpath]="--deselect tests/gpu/test_graph_runner_gpu.py::test_second_runner_shares_the_pool tests/gpu/test_attention_flashinfer_gpu.py tests/gpu/test_greedy_sample_gpu.py tests/scheduler/test_launch_copy.py tests/gpu/test_attention_triton_gpu.py tests/gpu/test_graph_runner_gpu.py"
   [pool]="-k shares_the_pool tests/gpu/test_graph_runner_gpu.py"
   # ninth session's changes that no GPU has run: FP8-KV decode settings by element size (b30718b), the
-  # GEMV FP8 launches (e0aab88), moe_triton's one-token layout (6cf05a4) through the kernels, the MoE
+  # GEMV FP8 launches (e0aab88), the tensor-wise _scaled_mm path, moe_triton's one-token layout (6cf05a4) through the kernels, the MoE
   # models and the conformance graph cases, and the quick MoE tune (70597ff)
-  [recheck]="tests/attention/test_fp8_kv_decode_gpu.py tests/plugins/quant_fp8/test_gemv_kernel_gpu.py tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_tune.py tests/testing/test_moe_conformance.py tests/plugins/model_moe/test_moe_gpu.py"
+  [recheck]="tests/attention/test_fp8_kv_decode_gpu.py tests/plugins/quant_fp8/test_gemv_kernel_gpu.py tests/plugins/quant_fp8/test_tensorwise_gpu.py tests/plugins/moe_triton/test_moe_triton_gpu.py tests/plugins/moe_triton/test_moe_triton_tune.py tests/testing/test_moe_conformance.py tests/plugins/model_moe/test_moe_gpu.py"
 )
 # Areas that never run under XDIST: tests that read the device's free memory or the graph pool's growth
 # (pytest workers share the one device: test_second_runner_shares_the_pool failed that way at 201eb06

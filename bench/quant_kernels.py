@@ -2,7 +2,7 @@
 weight scales, per-token activation scales applied in the epilogue, x quantized inside it or just
 before it), torch._scaled_mm row-wise with torch's per-token quantization (the path quant_fp8 took
 at every size before the kernel) and with quant_fp8's quantization kernel (its path above the decode
-threshold), the bf16 matmul, and the block-wise kernel (128 x 128 weight blocks), at each token count.
+threshold), torch._scaled_mm tensor-wise with the scale kernel after it (`tensorwise`), the bf16 matmul, and the block-wise kernel (128 x 128 weight blocks), at each token count.
 
 Times are medians of L2-cold calls (bench/timing.time_cold: CUDA-graph replays, L2 flushed before
 each, so the weight comes from HBM as in a model step), every activation quantization included. The
@@ -29,12 +29,13 @@ from bench.timing import copy_tb_s, time_us
 from bench.workload import projection_shapes
 
 BLOCK = (128, 128)
-VARIANTS = ("triton", "scaled_mm", "scaled_mm_qk", "bf16", "block")
+VARIANTS = ("triton", "scaled_mm", "scaled_mm_qk", "tensorwise", "bf16", "block")
 TARGET_VS_FLOOR = 1.25  # decode sizes: the kernel within this of reading its weight once
 LINEARS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
            "down": ("down_proj",)}
 COLUMNS = [("linear", "linear", ""), ("M", "tokens", "d"), ("triton", "triton_us", ".1f"),
-           ("_scaled_mm", "scaled_mm_us", ".1f"), ("+qkernel", "scaled_mm_qk_us", ".1f"), ("bf16", "bf16_us", ".1f"),
+           ("_scaled_mm", "scaled_mm_us", ".1f"), ("+qkernel", "scaled_mm_qk_us", ".1f"),
+           ("tensorwise", "tensorwise_us", ".1f"), ("bf16", "bf16_us", ".1f"),
            ("block", "block_us", ".1f"), ("floor", "floor_us", ".1f"), ("triton/floor", "triton_vs_floor", ".2f"),
            ("/_scaled_mm", "triton_vs_scaled_mm", ".2f"), ("/bf16", "triton_vs_bf16", ".2f"),
            ("cuda_linear", "use", ""), ("verdict", "verdict", ""), ("launch", "launch", "")]
@@ -79,6 +80,7 @@ class Linear:
         found = {"triton": lambda: kernels.channel_matmul(self.x, self.q, self.s, None, launch, self.counters),
                  "block": lambda: kernels.block_matmul(self.x, self.qb, self.sb, BLOCK, None, block_launch, self.counters),
                  "bf16": lambda: F.linear(self.x, self.w)}
+        found["tensorwise"] = lambda: cuda.tensorwise(channel_scheme(), self.x, self.q, self.s, None, None)
         if self.x.is_cuda:
             found["scaled_mm"] = scaled_mm
             found["scaled_mm_qk"] = lambda: cuda._rowwise(channel_scheme(), self.x, self.q, self.s, None, None)
@@ -141,7 +143,8 @@ def with_totals(rows: list[dict], tokens: list[int]) -> list[dict]:
             total[key] = sum(r[key] for r in group) if all(r[key] is not None for r in group) else None
         out += group + [total]
     report.add_ratios(out, {"triton_vs_floor": ("triton_us", "floor_us"), "triton_vs_scaled_mm": ("triton_us", "scaled_mm_us"),
-                            "triton_vs_bf16": ("triton_us", "bf16_us"), "block_vs_floor": ("block_us", "floor_us")})
+                            "triton_vs_bf16": ("triton_us", "bf16_us"), "block_vs_floor": ("block_us", "floor_us"),
+                            "tensorwise_vs_floor": ("tensorwise_us", "floor_us")})
     for row in out:
         at_decode = row["tokens"] <= 64
         row["verdict"] = report.verdict(row["triton_vs_floor"], TARGET_VS_FLOOR) if at_decode else ""

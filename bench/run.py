@@ -147,12 +147,13 @@ GROUPS: dict[str, list[Job]] = {
     "quant-e2e": [bench("quant-e2e-8b", "e2e --model llama-3.1-8b --backends triton --workloads fixed "
                         "--quantization none fp8 --kv-cache-dtype auto fp8_e4m3")],
     "quant-kernels": [tests("quant-tests", "tests/plugins/quant_fp8"), bench("quant-kernels", "quant_kernels")],
-    # e0aab88's GEMV launches: their GPU tests, a re-tune of 1 and 8 tokens over the bundled table (GEMV
-    # candidates among tl.dot's), the kernels and the 8B decode step on that table, one call
-    "quant-gemv": [tests("quant-gemv-tests", "tests/plugins/quant_fp8/test_gemv_kernel_gpu.py"),
+    # e0aab88's GEMV launches and the tensor-wise _scaled_mm path: their GPU tests, a re-tune of 1 and 8
+    # tokens over the bundled table (both among the candidates), the kernels and the 8B decode step on it
+    "quant-gemv": [tests("quant-gemv-tests", "tests/plugins/quant_fp8/test_gemv_kernel_gpu.py",
+                         "tests/plugins/quant_fp8/test_tensorwise_gpu.py"),
                    Job("quant-gemv-tune", ("-m", "backplane.plugins.quant_fp8.tune", "--tokens", "1", "8", "--update",
                                            "bundled", "--out", "{out}/quant_fp8_configs.json", "--budget", "300")),
-                   bench("quant-gemv-kernels", "quant_kernels --tokens 1 8 --configs {out}/quant_fp8_configs.json"),
+                   bench("quant-gemv-kernels", "quant_kernels --tokens 1 8 32 --configs {out}/quant_fp8_configs.json"),
                    Job("quant-gemv-decode", ("-m", "bench.decode", "--models", "llama-3.1-8b", "--backends", "triton",
                                              "--variants", "overlap", "fp8", "fp8-block", "--batch-sizes", "1", "32",
                                              "--rounds", "3", "--no-peer"),

@@ -6,6 +6,9 @@
     M <= DECODE_MAX_TOKENS: kernels.channel_matmul, scales applied in the epilogue, any model dtype
     larger M: torch._scaled_mm row-wise (scale_a [M, 1], scale_b [1, N]; bf16 output only, so fp16
     and fp32 models keep the Triton kernel)
+    where the table says "tensorwise": torch._scaled_mm with tensor-wise scales of 1 (cuBLAS's FP8
+    GEMM, at the weight-read floor at decode sizes where the row-wise one is not) into fp32, then
+    kernels.scale_rows_columns applies both scales (and the bias) in one launch; any model dtype
   block weights, 1 x bk activation groups: kernels.block_matmul at every M
   weight-only (no activation quantization): the dequantizing reference
 
@@ -24,7 +27,8 @@ underscores>.json` beside this module, or the file given by `--fp8.configs` (non
 
 keyed by the kernel ("channel", or "block" with its "block": [bn, bk]), the weight's N and K, and a
 token count: M takes the entry of its bucket (M padded to a power of two, at least 16) measured
-nearest to M. "use": "scaled_mm" sends a bf16 channel GEMM of that bucket to torch._scaled_mm. "gemv": true
+nearest to M. "use": "scaled_mm" sends a bf16 channel GEMM of that bucket to torch._scaled_mm row-wise,
+"tensorwise" a channel GEMM of any dtype to the tensor-wise one and the scale kernel. "gemv": true
 (up to kernels.GEMV_MAX_ROWS tokens; false when absent, as in tables written before it) runs the
 GEMV kernel, and serves only M up to that limit: a larger M of the bucket takes its other entries.
 Shapes and buckets the table lacks take default_launch and the DECODE_MAX_TOKENS threshold.
@@ -44,7 +48,7 @@ import torch
 import triton
 
 from backplane.plugins.quant_fp8.kernels import (GEMV_MAX_ROWS, Launch, block_m_for, block_matmul, channel_matmul,
-                                                 quantize_rows)
+                                                 quantize_rows, scale_rows_columns)
 from backplane.plugins.quant_fp8.options import BUNDLED, TableSource
 from backplane.plugins.quant_fp8.reference import quantize_input, reference_linear
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
@@ -57,7 +61,7 @@ MIN_STEPS_PER_SPLIT = 4  # the default split-K keeps at least this many K steps 
 MAX_SPLIT_K = 16
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 KERNELS = ("channel", "block")
-USES = ("triton", "scaled_mm")
+USES = ("triton", "scaled_mm", "tensorwise")
 _LAUNCH_FIELDS = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "fuse_quant", "gemv")
 _OPTIONAL_FIELDS = {"gemv": False}  # launch fields added later: an entry without one has this value
 _ENTRY_FIELDS = ("kernel", "N", "K", "tokens", "use", *(f for f in _LAUNCH_FIELDS if f not in _OPTIONAL_FIELDS))
@@ -86,6 +90,8 @@ def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight
     use, launch = choose(("channel", n, k, None), m, x.dtype, x.device, source)
     if use == "scaled_mm":
         return _rowwise(scheme, x, weight, weight_scale, input_scale, bias)
+    if use == "tensorwise":
+        return tensorwise(scheme, x, weight, weight_scale, input_scale, bias)
     if scheme.activations == "tensor":  # static or dynamic: one scale, from torch
         q, x_scale = quantize_input(scheme, x, input_scale)
         return channel_matmul(q, weight, weight_scale, bias, launch, counters, x_scale, out_dtype=x.dtype)
@@ -104,6 +110,27 @@ def _rowwise(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_sc
     scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()  # [N, 1] or [] -> [1, N]
     y = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
+
+
+def tensorwise(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x quantized (per token, or the scheme's tensor scale), torch._scaled_mm with scales of 1 into
+    fp32, then both scales and the bias in one kernel: y = acc * sx[m] * sw[n] (+ bias), x's dtype."""
+    if scheme.activations == "token":
+        q, x_scale = quantize_rows(x, scale_ub=scheme.activation_scale_ub)
+    else:
+        q, x_scale = quantize_input(scheme, x, input_scale)
+    one = unit_scale(x.device)
+    acc = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return scale_rows_columns(acc, x_scale, weight_scale, bias, x.dtype)
+
+
+@functools.cache
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """An fp32 1.0 on `device` for _scaled_mm's tensor-wise scales. NOTE: made once, before any graph
+    capture (Fp8LinearMethod asks for it after loading): a tensor first made inside a capture would
+    hold nothing until the graph replays."""
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 # -- launch choice --------------------------------------------------------------------------------
@@ -126,7 +153,8 @@ def _choose(key: TableKey, m: int, dtype: torch.dtype, device_index: int, source
         sms = torch.cuda.get_device_properties(device_index).multi_processor_count
         use = "triton" if m <= DECODE_MAX_TOKENS else "scaled_mm"
         launch = default_launch(key, m, torch.empty((), dtype=dtype).element_size(), sms)
-    return ("triton" if key[0] != "channel" or dtype != torch.bfloat16 else use), launch
+    rowwise_only_bf16 = use == "scaled_mm" and dtype != torch.bfloat16  # _scaled_mm row-wise: bf16 out only
+    return ("triton" if key[0] != "channel" or rowwise_only_bf16 else use), launch
 
 
 def default_launch(key: TableKey, m: int, x_bytes: int, num_sms: int) -> Launch:

@@ -201,6 +201,42 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     return q, scale
 
 
+# -- the scales after an unscaled GEMM ----------------------------------------------------------
+
+@triton.jit
+def _scale_kernel(acc_ptr, sx_ptr, sw_ptr, bias_ptr, y_ptr, N, stride_am, stride_sx, stride_sw, stride_ym,
+                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (m, n): y[m, n] = acc[m, n] * sx[m] * sw[n] (+ bias[n]), as _channel_kernel's epilogue."""
+    m, rn = tl.program_id(0), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rn < N
+    acc = tl.load(acc_ptr + m * stride_am + rn, mask=ok, other=0.0)
+    sx = tl.load(sx_ptr + m * stride_sx)
+    sw = tl.load(sw_ptr + rn * stride_sw, mask=ok, other=0.0)
+    y = acc * sx * sw
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def scale_rows_columns(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] = acc * x_scale[m] * weight_scale[n] (+ bias) in out_dtype, one launch: the scales of
+    an FP8 GEMM run without them (acc [M, N] fp32). x_scale [M, 1] or one; weight_scale [N, 1] or one."""
+    m, n = acc.shape
+    sx, sw = x_scale.reshape(-1).float(), weight_scale.reshape(-1).float()
+    if sx.numel() not in (1, m) or sw.numel() not in (1, n) or acc.dtype != torch.float32:
+        raise ValueError(f"scale_rows_columns: acc {acc.dtype} {tuple(acc.shape)}, x_scale {tuple(x_scale.shape)}, "
+                         f"weight_scale {tuple(weight_scale.shape)}: expected fp32 acc [M, N] with one scale or one "
+                         "per row (x) and per column (weight)")
+    y = torch.empty(m, n, dtype=out_dtype, device=acc.device)
+    if m:
+        block_n = min(1024, triton.next_power_of_2(n))
+        _scale_kernel[(m, triton.cdiv(n, block_n))](
+            acc, sx, sw, bias if bias is not None else y, y, n, acc.stride(0), int(sx.numel() > 1), int(sw.numel() > 1),
+            y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=4)
+    return y
+
+
 # -- the GEMMs -----------------------------------------------------------------------------------
 
 @triton.jit

@@ -95,6 +95,9 @@ class Fp8LinearMethod(QuantMethod):
             from backplane.plugins.quant_fp8.kernels import new_counters
 
             self.counters = new_counters(layer.weight)
+            from backplane.plugins.quant_fp8.cuda import unit_scale
+
+            unit_scale(layer.weight.device)  # the tensor-wise path's 1.0, made before any capture
             from backplane.plugins.quant_fp8.opaque import scheme_key  # registers torch.ops.backplane_fp8.linear
 
             self.scheme_key = scheme_key(self.scheme, self.table)

@@ -4,9 +4,9 @@ For each token count, kernel ("channel": per-channel weight and per-token activa
 "block": 128 x 128 weight blocks) and weight shape (N, K): every launch of a pruned search space is
 checked against the default launch's result (a fast wrong launch is dropped) and timed inside a
 CUDA graph with L2 flushed before each replay (the weight comes from HBM, as in a model step); the
-fastest is kept. For "channel", torch._scaled_mm row-wise (its activation quantization included) is
-timed too: where it is faster, the entry says "use": "scaled_mm" and cuda.py sends bf16 GEMMs of
-that token bucket there. Up to kernels.GEMV_MAX_ROWS tokens the GEMV launches (no tl.dot) are
+fastest is kept. For "channel", torch._scaled_mm row-wise (its activation quantization included) and
+tensor-wise (cuda.tensorwise: scales of 1, then the scale kernel) are timed too: where one is faster,
+the entry says "use": "scaled_mm" or "tensorwise" and cuda.py sends GEMMs of that token bucket there. Up to kernels.GEMV_MAX_ROWS tokens the GEMV launches (no tl.dot) are
 candidates too; those entries also record the fastest tl.dot and GEMV launches' µs ("dot_us",
 "gemv_us"). Token counts run smallest first; the table is written again after every case, so a run
 cut short (--budget) keeps what it measured.
@@ -129,6 +129,9 @@ class Case:
     def scaled_mm(self) -> torch.Tensor:
         return cuda._rowwise(CHANNEL, self.x, self.weight, self.scale, None, None)
 
+    def tensorwise(self) -> torch.Tensor:
+        return cuda.tensorwise(CHANNEL, self.x, self.weight, self.scale, None, None)
+
 
 def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict:
     """The table entry of one case: the fastest launch that gives the default launch's result, its µs,
@@ -155,9 +158,14 @@ def tune_case(case: Case, num_sms: int, full: bool, flush: torch.Tensor) -> dict
             fastest = min((t for t, launch in timed if launch.gemv == gemv), default=None)
             timings[name] = None if fastest is None else round(fastest, 2)  # None: every GEMV launch failed
     use = "triton"
-    if kernel == "channel":
+    if kernel == "channel":  # torch._scaled_mm row-wise, and tensor-wise with the scale kernel after it
         timings["scaled_mm_us"] = round(cold_graph_us(case.scaled_mm, flush), 2)
-        use = "scaled_mm" if timings["scaled_mm_us"] < us else "triton"
+        if torch.allclose(case.tensorwise().float(), want, atol=2e-2, rtol=2e-2):
+            timings["tensorwise_us"] = round(cold_graph_us(case.tensorwise, flush), 2)
+        else:
+            print("    WRONG result, dropped: tensorwise", flush=True)
+        others = [(t, name) for name in ("scaled_mm", "tensorwise") if (t := timings.get(f"{name}_us")) is not None]
+        use = min([(us, "triton"), *others])[1]
     return cuda.entry(case.key, case.m, use, best, **timings)
 
 

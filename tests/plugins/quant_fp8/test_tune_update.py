@@ -60,7 +60,7 @@ def test_the_quant_gemv_group_tunes_over_the_bundled_table_then_measures_on_it()
     tuned = tune.parse_args(list(jobs["quant-gemv-tune"].argv[2:]))
     assert tuned.update == "bundled" and tuned.tokens == [1, 8] and tuned.out == "{out}/quant_fp8_configs.json"
     kernels = quant_kernels.parse_args(list(jobs["quant-gemv-kernels"].argv[2:]))
-    assert kernels.configs == tuned.out and kernels.tokens == [1, 8]
+    assert kernels.configs == tuned.out and kernels.tokens == [1, 8, 32]
     step = decode.parse_args(list(jobs["quant-gemv-decode"].argv[2:]))
     assert dict(jobs["quant-gemv-decode"].env) == {"BACKPLANE_FP8__CONFIGS": tuned.out} and "fp8" in step.variants
     assert not any(j.together for j in jobs.values())
