@@ -147,6 +147,16 @@ GROUPS: dict[str, list[Job]] = {
     "quant-e2e": [bench("quant-e2e-8b", "e2e --model llama-3.1-8b --backends triton --workloads fixed "
                         "--quantization none fp8 --kv-cache-dtype auto fp8_e4m3")],
     "quant-kernels": [tests("quant-tests", "tests/plugins/quant_fp8"), bench("quant-kernels", "quant_kernels")],
+    # issue 39's rows at 1B (no targets there): decode, FP8 KV, prefill, end to end and the GEMMs, one call
+    "quant-1b": [bench("quant-decode-1b", "decode --models llama-3.2-1b --backends triton --variants overlap fp8 fp8-block "
+                       "--batch-sizes 1 32 --rounds 3 --no-peer"),
+                 bench("fp8-kv-1b", "decode --models llama-3.2-1b --backends triton --variants overlap fp8-kv "
+                       "--batch-sizes 8 --context 16384 --steps 32 --rounds 3 --no-peer"),
+                 bench("quant-prefill-1b", "prefill --models llama-3.2-1b --backends triton --cases 4x2048 1x512 "
+                       "--probe 0 0 --repeats 3 --quantization none fp8"),
+                 bench("quant-e2e-1b", "e2e --model llama-3.2-1b --backends triton --workloads fixed "
+                       "--quantization none fp8 --kv-cache-dtype auto fp8_e4m3"),
+                 bench("quant-kernels-1b", "quant_kernels --model llama-3.2-1b")],
     # e0aab88's GEMV launches and the tensor-wise _scaled_mm path: their GPU tests, a re-tune of 1 and 8
     # tokens over the bundled table (both among the candidates), the kernels and the 8B decode step on it
     "quant-gemv": [tests("quant-gemv-tests", "tests/plugins/quant_fp8/test_gemv_kernel_gpu.py",

@@ -73,3 +73,18 @@ def test_the_kernel_bench_takes_a_table_and_refuses_a_bad_one(tmp_path):
     with pytest.raises(ValueError, match=r"--fp8.configs .*missing.json does not exist"):
         quant_kernels.main(["--tokens", "1", "--configs", str(tmp_path / "missing.json"), "--device", "cpu",
                             "--out", str(tmp_path)])
+
+
+def test_the_quant_1b_group_reports_issue_39s_rows_at_1b():
+    import helpers_bench  # noqa: F401
+    from bench import decode, e2e, prefill, quant_kernels, run
+
+    jobs = {j.name: list(j.argv[2:]) for j in run.GROUPS["quant-1b"]}
+    weights, kv = decode.parse_args(jobs["quant-decode-1b"]), decode.parse_args(jobs["fp8-kv-1b"])
+    assert weights.models == kv.models == ["llama-3.2-1b"] and {"fp8", "fp8-block"} <= set(weights.variants)
+    assert "fp8-kv" in kv.variants and kv.context == 16384
+    assert decode.result_subject(weights, "llama-3.2-1b") != decode.result_subject(kv, "llama-3.2-1b")
+    assert prefill.parse_args(jobs["quant-prefill-1b"]).quantization == ["none", "fp8"]
+    both = e2e.parse_args(jobs["quant-e2e-1b"])
+    assert both.model == "llama-3.2-1b" and both.kv_cache_dtype == ["auto", "fp8_e4m3"]
+    assert quant_kernels.parse_args(jobs["quant-kernels-1b"]).model == "llama-3.2-1b"
