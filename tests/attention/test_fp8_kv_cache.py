@@ -290,16 +290,21 @@ def test_triton_interpreted_matches_torch_native_over_fp8(options):
 
     world = World([0, 5, 40], seed=2)
     triton_backend = _triton_backend(world.context("fp8", TritonAttentionOptions(**options)))
+    for batch in _every_step_matches_torch_native(world, triton_backend):
+        assert not triton_backend.fuses_rotary_kv_write(batch)
+
+
+def _every_step_matches_torch_native(world, backend):
+    """Each of STEPS over the world's FP8 pool: `backend` equals torch_native; yields each batch."""
     reference = TorchNativeAttnBackend(None)
     for mode, new_lens, masked in STEPS:
         batch = world.step(mode, new_lens, masked)["fp8"]
         n = sum(new_lens)
         q = torch.randn(n, HEADS, HEAD_DIM, generator=world.gen)
         k, v = world.random_kv(n)
-        got = run(triton_backend, batch, q, k, v)
-        want = run(reference, batch, q, k, v)
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=f"{mode.value}")
-        assert not triton_backend.fuses_rotary_kv_write(batch)
+        torch.testing.assert_close(run(backend, batch, q, k, v), run(reference, batch, q, k, v),
+                                   atol=2e-4, rtol=2e-4, msg=f"{mode.value}")
+        yield batch
 
 
 # -- the triton kernels' launch settings for 1-byte K/V ------------------------------------------------
@@ -416,14 +421,8 @@ def test_triton_backend_over_fp8_takes_the_1_byte_settings(monkeypatch, cuda_cap
     for module in (decode_kernels, verify_kernels):
         monkeypatch.setattr(module, "decode_config", hopper_config)
     monkeypatch.setattr(backend_module, "choose_num_kv_splits", choose_splits)
-    reference = TorchNativeAttnBackend(None)
-    for mode, new_lens, masked in STEPS:
-        batch = world.step(mode, new_lens, masked)["fp8"]
-        n = sum(new_lens)
-        q = torch.randn(n, HEADS, HEAD_DIM, generator=world.gen)
-        k, v = world.random_kv(n)
-        torch.testing.assert_close(run(triton_backend, batch, q, k, v), run(reference, batch, q, k, v),
-                                   atol=2e-4, rtol=2e-4, msg=f"{mode.value}")
+    for _ in _every_step_matches_torch_native(world, triton_backend):
+        pass
     assert asked == [1, 1], "decode and the split verify: the settings for 1-byte K/V"
     assert told and set(told) == {1}
 
