@@ -56,7 +56,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, ctx: AttentionBackendContext):
         self.ctx = ctx
         options = ctx.options if ctx.options is not None else FlashInferOptions()
-        self.use_tensor_cores = options.use_tensor_cores(ctx.num_heads, ctx.num_kv_heads)
+        self.use_tensor_cores = options.use_tensor_cores(ctx.num_heads, ctx.num_kv_heads, ctx.token_to_kv_pool.is_fp8)
         self.dims = Dims(ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.token_to_kv_pool.dtype)
         # One float workspace shared by every wrapper; FlashInfer wants it zeroed before first use.
         self.workspace = torch.zeros(options.workspace_size_mb << 20, dtype=torch.uint8, device=ctx.device)

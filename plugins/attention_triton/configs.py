@@ -48,14 +48,14 @@ def decode_config(head_dim: int, device: torch.device, kv_bytes: int = 2) -> Dec
     """Launch settings of the split-KV decode (and verify) kernel for K/V elements of `kv_bytes` bytes
     (2: bf16/fp16, 1: an FP8 pool).
 
-    FP8 KV on Hopper takes 128 keys a step instead of 64, so that a pipeline stage carries as many
-    bytes as bf16's (4 stages x 128 keys x 128 dims x 1 B x K and V = 128 KB of shared memory, the
-    same as bf16's 64 keys x 2 B). With bf16's 64 keys an FP8 stage carried half the bytes and the
-    loop waited on the latency of the per-row gathers: on an H100 (llama-3.1-8b, bs 8 x 16k context,
-    decode graphs) the FP8-KV step took 12.80 ms against bf16's 12.16 ms; after the ~6.4 ms weight
-    read, bf16 read its 17.2 GB of KV at ~3 TB/s (near the copy bandwidth), FP8 its 8.6 GB at
-    ~1.3 TB/s. Elsewhere (Ampere, Ada, head dims over 128, the interpreter) the settings do not
-    depend on kv_bytes.
+    FP8 KV on Hopper keeps 64 keys a step but takes five pipeline stages instead of four. The
+    first FP8 sweep (`bench.attention --kv-dtype fp8_e4m3 --sweep`, H200, GQA 32/8, head dim 128,
+    2026-12-07, tenth session) found 64 keys x 5 stages best in all four cases: bs 8 x 16k 139 us
+    (128 keys x 4 stages, the guess of b30718b: 156 us; bf16's settings: 195 us), bs 1 x 16k 31.0
+    (35.8, 43.1), bs 32 x 4k 128.2 (144.2, 166.0), bs 64 x 2k 127.5 (144.5, 165.8); the bs-8 best
+    also took 4x the splits, the others the heuristic's. Five stages of 64 x 128 one-byte K and V
+    tiles need 80 KB of shared memory. Elsewhere (Ampere, Ada, head dims over 128, the interpreter)
+    the settings do not depend on kv_bytes.
     """
     if device.type != "cuda":
         return DecodeConfig(block_n=32, min_split=64, num_stages=1)
@@ -65,7 +65,7 @@ def decode_config(head_dim: int, device: torch.device, kv_bytes: int = 2) -> Dec
     if not (major >= 9 or (major, minor) == (8, 0)):  # 4 stages of K and V tiles need ~128 KB of shared memory
         return DecodeConfig(num_stages=2)
     if kv_bytes == 1 and major >= 9:
-        return DecodeConfig(block_n=128)
+        return DecodeConfig(num_stages=5)
     return DecodeConfig()
 
 

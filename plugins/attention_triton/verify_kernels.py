@@ -131,8 +131,8 @@ def verify_attention(
     if (custom_mask is None) != (mask_indptr is None):
         raise ValueError("verify attention: expected custom_mask and mask_indptr together")
     block_h = max(16, triton.next_power_of_2(q_len * group))
-    # NOTE: the K/V element size picks the settings (decode_config) only up to 32 rows: beyond, a
-    # 128-key fp32 score tile beside the accumulator risks spilling registers at 4 warps (unmeasured).
+    # NOTE: the K/V element size picks the settings (decode_config) only up to 32 rows; beyond, the
+    # 2-byte settings (FP8's fifth stage beside a wider accumulator and score tile is unmeasured).
     cfg = config or decode_config(head_dim, q.device, k_buffer.element_size() if block_h <= 32 else 2)
     if attn_logits is None:
         attn_logits = torch.empty((num_tokens, num_heads, num_kv_splits, v_dim), dtype=torch.float32, device=q.device)

@@ -80,6 +80,24 @@ def test_pool_round_trip_saturation_and_scales():
     assert torch.equal(pool.get_kv_buffer(0)[0][loc].float(), torch.zeros(5, KV_HEADS, HEAD_DIM))  # layer 0 untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unit_scale_quantization_equals_the_fp32_path_for_every_half_value(dtype):
+    """quantize_fp8's short path (scale 1.0, a bf16/fp16 input: clamp and cast as it is) against the
+    fp32 path it skips, over all 65,536 bit patterns of the type: every non-NaN value gives the same
+    byte, and NaN stays NaN. A scale other than 1.0 still divides in fp32 (a bf16 division would
+    round x / scale first: planted below, it differs)."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    nan = torch.isnan(x.float())
+    fast = quantize_fp8(x, 1.0)
+    slow = x.float().clamp(-448.0, 448.0).to(FP8_E4M3)
+    assert torch.equal(fast.view(torch.uint8)[~nan], slow.view(torch.uint8)[~nan])
+    assert torch.isnan(fast[nan].float()).all()
+    scaled = quantize_fp8(x[~nan], 0.37)
+    assert torch.equal(scaled.view(torch.uint8), (x[~nan].float() / 0.37).clamp(-448.0, 448.0).to(FP8_E4M3).view(torch.uint8))
+    in_half = (x[~nan] / 0.37).clamp(-448.0, 448.0).to(FP8_E4M3)
+    assert not torch.equal(scaled.view(torch.uint8), in_half.view(torch.uint8))
+
+
 def test_pool_bytes_per_token_halve_and_bad_scales_are_refused():
     bf16 = TokenToKVPool.bytes_per_token(4, 8, 128, torch.bfloat16)
     assert TokenToKVPool.bytes_per_token(4, 8, 128, FP8_E4M3) * 2 == bf16
@@ -326,19 +344,19 @@ def cuda_capability(monkeypatch):
     configs.decode_config.cache_clear()
 
 
-def test_decode_config_takes_128_keys_a_step_for_fp8_kv_on_hopper(cuda_capability):
-    """Hopper: 1-byte K/V get 128 keys a step, the same 128 KB of K and V stages as bf16's 64 keys;
-    2-byte K/V (and the old two-argument call) keep 64. Ampere, Ada, head dims over 128 and the
-    interpreter ignore the element size."""
+def test_decode_config_takes_five_stages_for_fp8_kv_on_hopper(cuda_capability):
+    """Hopper: 1-byte K/V get five pipeline stages of 64 keys (80 KB of K and V tiles, what the
+    H200 FP8 sweep picked); 2-byte K/V (and the old two-argument call) keep four stages of 64 keys
+    (128 KB). Ampere, Ada, head dims over 128 and the interpreter ignore the element size."""
     from backplane.plugins.attention_triton.configs import DecodeConfig, decode_config
 
     cuda_capability(HOPPER)
     fp8, bf16 = decode_config(128, CUDA, 1), decode_config(128, CUDA, 2)
-    assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.min_split) == (128, 4, 4, 128)
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.min_split) == (64, 4, 5, 128)
     assert bf16 == decode_config(128, CUDA) == DecodeConfig(block_n=64, num_warps=4, num_stages=4, min_split=128)
-    for cfg, kv_bytes in ((fp8, 1), (bf16, 2)):  # stages x keys x head dim x bytes x (K and V)
-        assert cfg.num_stages * cfg.block_n * 128 * kv_bytes * 2 == 128 << 10
-    assert decode_config(64, CUDA, 1).block_n == 128 and decode_config(64, CUDA, 2).block_n == 64
+    for cfg, kv_bytes, kb in ((fp8, 1, 80), (bf16, 2, 128)):  # stages x keys x head dim x bytes x (K and V)
+        assert cfg.num_stages * cfg.block_n * 128 * kv_bytes * 2 == kb << 10
+    assert decode_config(64, CUDA, 1).num_stages == 5 and decode_config(64, CUDA, 2).num_stages == 4
     assert decode_config(256, CUDA, 1) == decode_config(256, CUDA, 2) == DecodeConfig(block_n=32, num_stages=2)
     cuda_capability(A100)
     assert decode_config(128, CUDA, 1) == decode_config(128, CUDA, 2) == DecodeConfig()
@@ -359,8 +377,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: f
 @pytest.mark.parametrize("splits,counters", [(1, True), (3, True), (4, False), (9, True)],
                          ids=["1-split", "3-splits-merged-in-kernel", "4-splits-merge-kernel", "9-splits"])
 def test_interpreted_fp8_decode_at_hoppers_settings_matches_the_dequantized_cache(cuda_capability, splits, counters):
-    """The decode kernel over a shuffled FP8 pool with Hopper's 1-byte settings (128 keys a step,
-    min_split 128) equals attention over the dequantized values, for lengths of 1, under, over and
+    """The decode kernel over a shuffled FP8 pool with Hopper's 1-byte settings (64 keys a step in
+    five stages, min_split 128) equals attention over the dequantized values, for lengths of 1, under, over and
     one past a multiple of 128. The scratch starts as NaN outputs with log-sum-exps of 100: a slice
     the merge reads but the first kernel never wrote (split geometry disagreeing between the two)
     shows up in the result."""
@@ -398,7 +416,7 @@ def test_interpreted_fp8_decode_at_hoppers_settings_matches_the_dequantized_cach
 
 def test_triton_backend_over_fp8_takes_the_1_byte_settings(monkeypatch, cuda_capability):
     """Through the backend, decode and split verify ask decode_config for 1-byte K/V (and the split
-    heuristic is told the pool's element size); with Hopper's answer (128 keys a step) every mode
+    heuristic is told the pool's element size); with Hopper's answer (five stages) every mode
     over the FP8 pool equals torch_native over it."""
     from backplane.plugins.attention_triton.options import TritonAttentionOptions
 
@@ -472,6 +490,11 @@ def test_flashinfer_glue_passes_the_scales_and_round_trips_the_new_tokens(monkey
     ctx = world.context("fp8")
     backend = fi_backend.FlashInferAttnBackend(ctx)
     assert not backend.fuses_rotary_kv_write(batches["fp8"]) and backend.fuses_rotary_kv_write(batches["raw"])
+    # decode over the FP8 pool plans the tensor-core kernel under auto (at a group of 4, where the
+    # pool of the model's dtype keeps the CUDA-core one)
+    assert HEADS // KV_HEADS <= 4
+    assert backend.use_tensor_cores and backend._eager.use_tensor_cores
+    assert not fi_backend.FlashInferAttnBackend(world.context("raw")).use_tensor_cores
 
 
 def test_fused_rotary_kv_write_refuses_an_fp8_cache():

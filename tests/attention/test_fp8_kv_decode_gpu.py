@@ -1,5 +1,5 @@
-"""The triton decode kernel over an FP8 KV pool on the GPU with the 1-byte launch settings (128 keys
-a step on Hopper) against attention over the dequantized values, in fp32 and through the bf16 pool
+"""The triton decode kernel over an FP8 KV pool on the GPU with the 1-byte launch settings (five
+pipeline stages on Hopper) against attention over the dequantized values, in fp32 and through the bf16 pool
 of the same values. Run with `pytest -m gpu tests/attention/test_fp8_kv_decode_gpu.py` (bench/run.py
 group fp8-kv-attn). The CPU half (the settings table, the interpreted kernel) is in
 test_fp8_kv_cache.py.
@@ -58,12 +58,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: f
     return torch.einsum("hs,shd->hd", probs, v)
 
 
-def test_default_settings_for_fp8_kv_on_hopper_take_128_keys():
+def test_default_settings_for_fp8_kv_on_hopper_take_five_stages():
     major, _ = torch.cuda.get_device_capability()
     if major < 9:
         pytest.skip("the 1-byte settings differ from bf16's on Hopper and later only")
-    assert decode_config(HEAD_DIM, torch.device("cuda"), 1).block_n == 128
-    assert decode_config(HEAD_DIM, torch.device("cuda"), 2).block_n == 64
+    assert decode_config(HEAD_DIM, torch.device("cuda"), 1) == DecodeConfig(num_stages=5)
+    assert decode_config(HEAD_DIM, torch.device("cuda"), 2) == DecodeConfig()
 
 
 @pytest.mark.parametrize("config", [None, DecodeConfig(block_n=128)], ids=["default", "block_n-128"])

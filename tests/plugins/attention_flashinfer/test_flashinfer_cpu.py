@@ -124,6 +124,11 @@ def test_decode_tensor_core_option():
     assert FlashInferOptions().use_tensor_cores(32, 16) is False
     assert FlashInferOptions(decode_use_tensor_cores="true").use_tensor_cores(8, 8) is True
     assert FlashInferOptions(decode_use_tensor_cores="false").use_tensor_cores(32, 4) is False
+    # an FP8 KV cache: tensor cores at any group under auto; "false" still forces the CUDA-core kernel
+    assert FlashInferOptions().use_tensor_cores(32, 8, kv_fp8=True) is True
+    assert FlashInferOptions().use_tensor_cores(8, 8, kv_fp8=True) is True
+    assert FlashInferOptions().use_tensor_cores(32, 8, kv_fp8=False) is False
+    assert FlashInferOptions(decode_use_tensor_cores="false").use_tensor_cores(32, 8, kv_fp8=True) is False
 
 
 # ------------------------------------------------------------------------------------------------
