@@ -85,6 +85,11 @@ GROUPS: dict[str, list[Job]] = {
                     bench("attention-bf16-kv", "attention --only decode --decode-cases 8x16384 1x16384 32x4096 64x2048"),
                     bench("attention-fp8-kv", "attention --only decode --kv-dtype fp8_e4m3 --sweep --decode-cases "
                           "8x16384 1x16384 32x4096 64x2048")],
+    # b0ba2e7's FP8-KV defaults through the engine: the GPU tests over FP8 pools, then issue 39's FP8-KV row
+    # (llama-3.1-8b, bs 8 x 16k, both backends against bf16 KV), one call
+    "fp8-kv-step": [tests("fp8-kv-step-tests", "tests/gpu/test_fp8_kv_gpu.py", "tests/attention/test_fp8_kv_decode_gpu.py"),
+                    bench("fp8-kv-step-8b", "decode --models llama-3.1-8b --backends triton flashinfer --variants overlap "
+                          "fp8-kv --batch-sizes 8 --context 16384 --steps 32 --rounds 3 --no-peer")],
     "attention-1b": [bench("attention-hd64", "attention --only decode --sweep --head-dim 64 --decode-cases 1x512 8x512 "
                            "32x512 32x2048")],
     "ops": [tests("ops-tests", GPU("ops_triton")), bench("ops", "ops")],
