@@ -204,7 +204,14 @@ def start(job: Job, folder: Path) -> subprocess.Popen:
     env = {**os.environ, "OUT": str(folder), **{k: v.replace("{out}", str(folder)) for k, v in job.env}}
     with open(folder / f"{job.name}.log", "w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_hear_sigint)
+
+
+def _hear_sigint() -> None:
+    # NOTE: a shell starts background commands (`nohup ... &`) with SIGINT ignored and children inherit
+    # that, so the deadline's SIGINT would go unheard and every job would wait GRACE_S for SIGKILL
+    # without pytest's summary; the job gets the default action back (Python: KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen, deadline: float) -> int:

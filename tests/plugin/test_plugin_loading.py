@@ -86,9 +86,16 @@ def test_a_real_ctrl_c_while_loading_is_passed_on():
         os.kill(os.getpid(), signal.SIGINT)  # the user's Ctrl-C arrives while this plugin loads
         signal.sigtimedwait([], 0.1) if hasattr(signal, "sigtimedwait") else None
 
-    with pytest.raises(KeyboardInterrupt):
-        load_plugins(extra=[_plugin("slowpoke", backplane_register_models=interrupted)])
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    # NOTE: a shell's background job (`nohup pytest ... &`) starts with SIGINT ignored, and Python then
+    # installs no handler: this test takes Python's own, as an interactive run has, and restores the
+    # inherited one after
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load_plugins(extra=[_plugin("slowpoke", backplane_register_models=interrupted)])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 class _Dist:
