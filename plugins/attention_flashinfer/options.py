@@ -26,8 +26,8 @@ class FlashInferOptions(BaseModel):
         if self.decode_use_tensor_cores == "auto":
             # Over an FP8 cache the CUDA-core kernel converts every K/V element on the CUDA cores and
             # is the slow one: 1.3-1.9x the tensor-core kernel's time at GQA 32/8 (H200, bs 8 x 16k:
-            # 245 against 131 us; bs 1 x 16k: 44 against 34; docs/performance.md, "FP8 KV decode
-            # kernels"), as SGLang also picks. Over bf16 at a group of 4 (Llama 3.2 1B and 3.1 8B) the
+            # 245 against 131 us; bs 1 x 16k: 44 against 34; docs/performance.md, "Attention kernels", FP8 KV
+            # decode), as SGLang also picks. Over bf16 at a group of 4 (Llama 3.2 1B and 3.1 8B) the
             # CUDA-core kernel is the faster one at the decode bench's short contexts on an H100, and
             # its planner is cheaper (docs/performance.md, "CUDA-core decode").
             return kv_fp8 or num_heads // num_kv_heads > 4
