@@ -31,6 +31,9 @@ VARIANTS = {  # name -> the Engine settings that differ from the default engine
     "cuda-cores": {"plugin_options": {"flashinfer": {"decode_use_tensor_cores": "false"}}},
     "fp8": {"quantization": "fp8"},  # the bf16 checkpoint quantized at load: per-channel weights, per-token acts
     "fp8-block": {"quantization": "fp8", "plugin_options": {"fp8": {"online_block": "128x128"}}},  # DeepSeek's blocks
+    # the same two without programmatic dependent launch of the FP8 GEMMs (on by default on Hopper)
+    "fp8-nopdl": {"quantization": "fp8", "plugin_options": {"fp8": {"pdl": False}}},
+    "fp8-block-nopdl": {"quantization": "fp8", "plugin_options": {"fp8": {"online_block": "128x128", "pdl": False}}},
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
 }
 DEFAULT_VARIANTS = ("overlap", "no-overlap")

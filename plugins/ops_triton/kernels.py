@@ -8,6 +8,9 @@ rounds to the activation dtype, so results match it to a few ulps (bit for bit w
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,10 +23,21 @@ MAX_ROUTE_EXPERTS = 1024  # moe_route holds a row of router logits in one block
 
 
 @triton.jit
+def _let_next_launch(TRIGGER: tl.constexpr):
+    # NOTE: the norms and the activation feed a linear layer, whose kernel may be launched with
+    # programmatic dependent launch (quant_fp8's GEMMs are): letting it launch now lets its programs
+    # read their weights while this kernel runs; it still waits for this kernel's writes. A no-op
+    # for a next kernel launched without it.
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, residual_out_ptr,
                      x_stride, residual_stride, hidden, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
     # One program per row. x, residual: [rows, hidden] (unit last stride); y, residual_out contiguous.
+    _let_next_launch(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -42,8 +56,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, y_ptr, residual_out_ptr,
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
     # Grid (rows, cdiv(d, BLOCK)). x: [rows, 2 * d] (unit last stride); out: [rows, d] contiguous.
+    _let_next_launch(TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -197,10 +212,23 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _norm_launch(hidden: int) -> dict:
+def _norm_launch(hidden: int, device: torch.device) -> dict:
     """Meta-parameters of the norm kernels: one block per row, more warps for wider rows."""
     block = triton.next_power_of_2(hidden)
-    return dict(BLOCK=block, num_warps=max(1, min(16, block // 256)))
+    return dict(BLOCK=block, num_warps=max(1, min(16, block // 256)), TRIGGER=trigger_next(device))
+
+
+def trigger_next(device: torch.device) -> bool:
+    """Whether kernels on `device` let the next kernel launch early (_let_next_launch): a CUDA GPU of
+    compute capability 9.0 or newer, compiled (not the interpreter), with Triton's griddepcontrol."""
+    return device.type == "cuda" and _trigger_capable(device.index if device.index is not None else
+                                                      torch.cuda.current_device())
+
+
+@functools.cache
+def _trigger_capable(index: int) -> bool:
+    return (os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index) >= (9, 0)
+            and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -209,7 +237,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, y, y, rows.stride(0), rows.stride(0), rows.shape[1],
-                                           eps, HAS_RESIDUAL=False, **_norm_launch(rows.shape[1]))
+                                           eps, HAS_RESIDUAL=False, **_norm_launch(rows.shape[1], x.device))
     return y
 
 
@@ -221,7 +249,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, y, residual_out, rows.stride(0), res_rows.stride(0),
-                                           rows.shape[1], eps, HAS_RESIDUAL=True, **_norm_launch(rows.shape[1]))
+                                           rows.shape[1], eps, HAS_RESIDUAL=True,
+                                           **_norm_launch(rows.shape[1], x.device))
     return y, residual_out
 
 
@@ -232,7 +261,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     if rows.shape[0] and d:
         grid = (rows.shape[0], triton.cdiv(d, _ACT_BLOCK))
-        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), d, BLOCK=_ACT_BLOCK)
+        _silu_and_mul_kernel[grid](rows, out, rows.stride(0), d, BLOCK=_ACT_BLOCK, TRIGGER=trigger_next(x.device))
     return out
 
 

@@ -92,11 +92,13 @@ def make_config(ctx) -> Fp8Config:
 
 def launch_table(options) -> TableSource:
     """The TableSource of the Fp8Options `options` (None: the bundled table)."""
-    if options is None or options.configs is None:
-        return TableSource(tuned=options.tuned if options is not None else True)
+    if options is None:
+        return BUNDLED
+    if options.configs is None:
+        return TableSource(tuned=options.tuned, pdl=options.pdl)
     from backplane.plugins.quant_fp8.cuda import table_source  # NOTE: reading a table takes triton
 
-    return table_source(options.configs, options.tuned)
+    return table_source(options.configs, options.tuned, options.pdl)
 
 
 def _scheme_config(ctx) -> Fp8Config:

@@ -74,13 +74,13 @@ def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight
                 counters: torch.Tensor | None = None, source: TableSource = BUNDLED) -> torch.Tensor:
     """x [M, K] in the model dtype -> [M, N] in the same dtype. weight [N, K] fp8 (row-major).
     counters: the layer's kernels.new_counters(weight) (split-K; else allocated per call).
-    source: the launch table the layer's config names."""
+    source: the launch table the layer's config names, and whether its Triton GEMMs launch with PDL."""
     m, k, n = x.shape[0], x.shape[1], weight.shape[0]
     if scheme.activations == "none" or (scheme.weights == "block") != (scheme.activations == "group"):
         return reference_linear(scheme, x, weight, weight_scale, input_scale, bias)
     if scheme.weights == "block":
         _, launch = choose(("block", n, k, scheme.block), m, x.dtype, x.device, source)
-        return block_matmul(x, weight, weight_scale, scheme.block, bias, launch, counters)
+        return block_matmul(x, weight, weight_scale, scheme.block, bias, launch, counters, pdl=source.pdl)
     if scheme.weights == "tensor" and scheme.activations == "tensor":
         q, x_scale = quantize_input(scheme, x, input_scale)
         fused_bias = bias if x.dtype != torch.float32 else None  # NOTE: _scaled_mm takes no bias with fp32 out
@@ -94,8 +94,10 @@ def cuda_linear(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight
         return tensorwise(scheme, x, weight, weight_scale, input_scale, bias)
     if scheme.activations == "tensor":  # static or dynamic: one scale, from torch
         q, x_scale = quantize_input(scheme, x, input_scale)
-        return channel_matmul(q, weight, weight_scale, bias, launch, counters, x_scale, out_dtype=x.dtype)
-    return channel_matmul(x, weight, weight_scale, bias, launch, counters, scale_ub=scheme.activation_scale_ub)
+        return channel_matmul(q, weight, weight_scale, bias, launch, counters, x_scale, out_dtype=x.dtype,
+                              pdl=source.pdl)
+    return channel_matmul(x, weight, weight_scale, bias, launch, counters, scale_ub=scheme.activation_scale_ub,
+                          pdl=source.pdl)
 
 
 def _rowwise(scheme: Fp8Scheme, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -280,12 +282,12 @@ def load_table(path: str | Path, option: str | None = None) -> LaunchTable:
         raise ValueError(f"{exc}{fix}") from None
 
 
-def table_source(configs: str, tuned: bool = True) -> TableSource:
+def table_source(configs: str, tuned: bool = True, pdl: bool = True) -> TableSource:
     """The TableSource of `--fp8.configs PATH` (and `--fp8.tuned`), the file read (and refused in one
     line naming the option) now, at engine build, rather than at the first forward."""
     path = Path(configs).expanduser().resolve()
     stamp = path.stat().st_mtime_ns if path.is_file() else None
-    source = TableSource(str(path), tuned, stamp)
+    source = TableSource(str(path), tuned, stamp, pdl)
     _configured_table(source.configs, stamp)  # NOTE: also loaded with tuned false, so a wrong path never waits
     return source
 

@@ -35,6 +35,7 @@ can differ in the last bit). x / scale is a true division (tl.math.div_rn), as t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -119,6 +120,16 @@ def _round_to_e4m3(q):
     magic = (((exp + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^23 steps of 2^(exp - 3)
     r = (tl.abs(q) + magic) - magic  # the fp32 add rounds to a multiple of the step, ties to even
     return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _wait_for_inputs(GDC: tl.constexpr):
+    """Under programmatic dependent launch (GDC): wait here until the previous kernel of the stream has
+    finished and its writes are visible, then let the next kernel launch. Everything a GEMM reads
+    before this is its weight (or the weight's scales), which no kernel of a forward writes."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -240,15 +251,34 @@ def scale_rows_columns(acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: t
 # -- the GEMMs -----------------------------------------------------------------------------------
 
 @triton.jit
+def _x_tile(x_ptr, x_rows, k, end, sx, row_scale, FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr,
+            EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_channel_kernel's fp8 x tile [BLOCK_M, BLOCK_K] at columns k (zeros from `end` on unless EVEN_K):
+    loaded, and quantized with the rows' scales sx (ONE_ROW: the one row's row_scale, broadcast)."""
+    if FUSE_QUANT and ONE_ROW:
+        row = tl.load(x_ptr + k, mask=k < end, other=0.0).to(tl.float32)
+        return tl.broadcast_to(_to_fp8(row, row_scale)[None, :], (BLOCK_M, BLOCK_K))
+    if EVEN_K:
+        a = tl.load(x_rows + k[None, :])
+    else:
+        a = tl.load(x_rows + k[None, :], mask=k[None, :] < end, other=0.0)
+    if FUSE_QUANT:
+        a = _to_fp8(a.to(tl.float32), sx[:, None])
+    return a
+
+
+@triton.jit
 def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                     stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
                     FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, EVEN_K: tl.constexpr, SCALE_UB: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_COLS: tl.constexpr,
-                    AMAX_STEPS: tl.constexpr):
+                    AMAX_STEPS: tl.constexpr, PDL: tl.constexpr, GDC: tl.constexpr):
     """Program (n, s, m): output tile m x n over K slice s. x fp8 [M, K] with scales sx (stride 0:
     one scale), or (FUSE_QUANT) x in the model dtype, quantized per row here: first the rows' maxima
     over all of K (bounded by SCALE_UB unless 0), then each K step as it is loaded. ONE_ROW (M = 1):
-    x is quantized as one row and broadcast to the tile's rows, not BLOCK_M copies of it. w [N, K] fp8."""
+    x is quantized as one row and broadcast to the tile's rows, not BLOCK_M copies of it. w [N, K] fp8.
+    PDL: the slice's first weight tile is loaded before anything the previous kernel writes (then
+    _wait_for_inputs, with GDC), and its step is taken before the loop: the same sums in the same order."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,6 +289,12 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
     steps = tl.cdiv(K, BLOCK_K)
     first = pid_k * tl.cdiv(steps, split_k)
     last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    if PDL:  # NOTE: masked at the slice's end: a slice of a split may be empty
+        k_first = first * BLOCK_K + rk
+        end = tl.minimum(K, last * BLOCK_K)
+        b_first = tl.load(w_rows + k_first[:, None], mask=k_first[:, None] < end, other=0.0)
+    _wait_for_inputs(GDC)
+    row_scale = 1.0
     if FUSE_QUANT and ONE_ROW:
         first_row = tl.zeros((1,), dtype=tl.int32)
         amax = tl.max(_rows_amax(x_ptr, first_row, stride_xm, K, 1, AMAX_COLS, AMAX_STEPS), axis=0)
@@ -269,17 +305,14 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
     else:
         sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(first, last):
+    start = first
+    if PDL:
+        a = _x_tile(x_ptr, x_rows, k_first, end, sx, row_scale, FUSE_QUANT, ONE_ROW, False, BLOCK_M, BLOCK_K)
+        acc += tl.dot(a, b_first)
+        start = first + 1
+    for step in range(start, last):
         k = step * BLOCK_K + rk
-        if FUSE_QUANT and ONE_ROW:
-            row = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            a = tl.broadcast_to(_to_fp8(row, row_scale)[None, :], (BLOCK_M, BLOCK_K))
-        elif EVEN_K:
-            a = tl.load(x_rows + k[None, :])
-        else:
-            a = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-        if FUSE_QUANT and not ONE_ROW:
-            a = _to_fp8(a.to(tl.float32), sx[:, None])
+        a = _x_tile(x_ptr, x_rows, k, K, sx, row_scale, FUSE_QUANT, ONE_ROW, EVEN_K, BLOCK_M, BLOCK_K)
         if EVEN_K:
             b = tl.load(w_rows + k[:, None])  # [BLOCK_K, BLOCK_N]
         else:
@@ -300,10 +333,11 @@ def _channel_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, count
 def _block_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                   stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, HAS_BIAS: tl.constexpr,
                   FUSE_QUANT: tl.constexpr, ONE_ROW: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GDC: tl.constexpr):
     """Program (n, s, m) as in _channel_kernel; BLOCK_K is the weight block's columns (the activation
     group), K a multiple of it; SCALE_ROWS the weight block's rows. x fp8 with group scales sx
-    [M, K / BLOCK_K], or (FUSE_QUANT) in the model dtype, each group quantized as it is loaded."""
+    [M, K / BLOCK_K], or (FUSE_QUANT) in the model dtype, each group quantized as it is loaded.
+    PDL: only the wait (GDC), before the loop."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -315,6 +349,7 @@ def _block_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counter
     steps = K // BLOCK_K
     first = pid_k * tl.cdiv(steps, split_k)
     last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    _wait_for_inputs(GDC)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first, last):
         k = step * BLOCK_K + rk
@@ -399,10 +434,12 @@ def _channel_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, 
                          stride_xm, stride_sx, stride_wn, stride_sw, stride_ym, HAS_BIAS: tl.constexpr,
                          FUSE_QUANT: tl.constexpr, EVEN_K: tl.constexpr, SCALE_UB: tl.constexpr, ROWS: tl.constexpr,
                          PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, AMAX_COLS: tl.constexpr, AMAX_STEPS: tl.constexpr):
+                         BLOCK_K: tl.constexpr, AMAX_COLS: tl.constexpr, AMAX_STEPS: tl.constexpr,
+                         PDL: tl.constexpr, GDC: tl.constexpr):
     """Program (n, s): columns n of all ROWS (= M) rows over K slice s; x and its scales as in
     _channel_kernel (FUSE_QUANT: each row's max over all of K first, the same scale), BLOCK_M the
-    rows padded to a power of two."""
+    rows padded to a power of two. PDL: the prefetched first weight tile is asked for before x's
+    maxima and before _wait_for_inputs (GDC)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -412,15 +449,19 @@ def _channel_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, 
     steps = tl.cdiv(K, BLOCK_K)
     first = pid_k * tl.cdiv(steps, split_k)
     last = tl.minimum(first + tl.cdiv(steps, split_k), steps)
+    end = tl.minimum(K, last * BLOCK_K)  # the K slice's end: no prefetch past it
+    if PREFETCH and PDL:
+        w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
+    _wait_for_inputs(GDC)
     if FUSE_QUANT:
         sx = _row_scale_of(_rows_amax(x_ptr, rm_in, stride_xm, K, BLOCK_M, AMAX_COLS, AMAX_STEPS), SCALE_UB)
     else:
         sx = tl.load(sx_ptr + rm_in * stride_sx)
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    end = tl.minimum(K, last * BLOCK_K)  # the K slice's end: no prefetch past it
     x_rows = x_ptr + rm_in[:, None] * stride_xm  # [BLOCK_M, 1]
     if PREFETCH:  # NOTE: x's rows too: plain loads, never pipelined by Triton, each step would wait for L2
-        w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
+        if not PDL:
+            w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
         x_next = _weight_tile(x_rows, first * BLOCK_K + rk, end, True)
     for step in range(first, last):
         k = step * BLOCK_K + rk
@@ -450,9 +491,11 @@ def _channel_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, 
 def _block_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, counters_ptr, M, N, K, split_k,
                        stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, HAS_BIAS: tl.constexpr,
                        FUSE_QUANT: tl.constexpr, SCALE_ROWS: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                       GDC: tl.constexpr):
     """Program (n, s) as in _channel_gemv_kernel, with _block_kernel's operands: BLOCK_K the weight
-    block's columns (one K step per block), each step's sum scaled by its two block scales."""
+    block's columns (one K step per block), each step's sum scaled by its two block scales. The
+    prefetch (weights and their scales only) comes before _wait_for_inputs (GDC) either way."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -468,6 +511,7 @@ def _block_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, ws_ptr, co
     if PREFETCH:
         w_next = _weight_tile(w_rows, first * BLOCK_K + rk, end, True)
         b_next = tl.load(sw_rows + tl.minimum(first, steps - 1))
+    _wait_for_inputs(GDC)
     for step in range(first, last):
         k = step * BLOCK_K + rk
         if PREFETCH:
@@ -496,13 +540,15 @@ def new_counters(weight: torch.Tensor) -> torch.Tensor:
 
 def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                    launch: Launch, counters: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, scale_ub: float | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, scale_ub: float | None = None,
+                   pdl: bool = True) -> torch.Tensor:
     """y [M, N] = (xq @ weight^T) * sx * weight_scale (+ bias), in out_dtype (default x's dtype).
 
     x [M, K]: in the model dtype, quantized here per token (each row's max |x| bounded by scale_ub
     when given); or fp8 with x_scale [M, 1] or [] (per tensor). weight [N, K] fp8 row-major;
     weight_scale [N, 1] or [] fp32; bias [N]. counters: from new_counters(weight), else zeros are
-    allocated when the launch splits K."""
+    allocated when the launch splits K. pdl: launch with programmatic dependent launch where the GPU
+    has it (pdl_device), the weight's first tile read before the previous kernel ends."""
     out_dtype = out_dtype or x.dtype
     sw = weight_scale.reshape(-1)
     if sw.numel() not in (1, weight.shape[0]) or (x_scale is not None and x_scale.numel() not in (1, x.shape[0])):
@@ -518,7 +564,7 @@ def channel_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return _launch(kernel, x, sx, weight, sw, bias, launch, counters, out_dtype,
                    launch.block_k, dict(EVEN_K=x.shape[1] % launch.block_k == 0, SCALE_UB=_bound(scale_ub),
                                         **amax_tiles(amax_rows, x.shape[1])),
-                   (int(sx.numel() > 1), int(sw.numel() > 1)))
+                   (int(sx.numel() > 1), int(sw.numel() > 1)), pdl)
 
 
 def amax_tiles(rows: int, k: int) -> dict:
@@ -545,11 +591,13 @@ def _bound(scale_ub: float | None) -> float:
 
 def block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None, launch: Launch, counters: torch.Tensor | None = None,
-                 x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 pdl: bool = True) -> torch.Tensor:
     """y [M, N] = sum over K blocks of (xq @ weight^T) * x_scale * weight_scale (+ bias).
 
     x [M, K]: in the model dtype, quantized here per 1 x bk group; or fp8 with x_scale [M, K / bk].
-    weight [N, K] fp8; weight_scale [ceil(N / bn), K / bk] fp32 (block = (bn, bk)); bias [N]."""
+    weight [N, K] fp8; weight_scale [ceil(N / bn), K / bk] fp32 (block = (bn, bk)); bias [N]; pdl as in
+    channel_matmul."""
     block_n, block_k = block
     k = x.shape[1]
     if k % block_k or block_k < 16 or block_k & (block_k - 1):
@@ -562,13 +610,14 @@ def block_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     sw = weight_scale if weight_scale.is_contiguous() else weight_scale.contiguous()
     kernel = _block_gemv_kernel if _gemv("block_matmul", launch, x.shape[0]) else _block_kernel
     return _launch(kernel, x, sx, weight, sw, bias, launch, counters, out_dtype, block_k,
-                   dict(SCALE_ROWS=block_n), (sx.stride(0), sw.stride(0)))
+                   dict(SCALE_ROWS=block_n), (sx.stride(0), sw.stride(0)), pdl)
 
 
 def _launch(kernel, x, sx, weight, sw, bias, launch: Launch, counters, out_dtype, block_k: int, constants: dict,
-            scale_strides: tuple[int, int]) -> torch.Tensor:
+            scale_strides: tuple[int, int], pdl: bool) -> torch.Tensor:
     """Launch one GEMM over the grid (N tiles, K slices, M tiles); K is split only with one M tile.
-    A GEMV launch: one M tile of every row (ROWS = M)."""
+    A GEMV launch: one M tile of every row (ROWS = M). pdl: the kernels' PDL order of loads on any
+    device (so the interpreter tests it), the wait and the launch attribute where pdl_device."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
@@ -585,12 +634,33 @@ def _launch(kernel, x, sx, weight, sw, bias, launch: Launch, counters, out_dtype
     split = min(launch.split_k, triton.cdiv(k, block_k)) if grid_m == 1 else 1
     ws = torch.empty(split if split > 1 else 0, m, n, dtype=torch.float32, device=x.device)
     counters = _counters(counters, n_tiles, x.device) if split > 1 else torch.empty(0, dtype=torch.int32, device=x.device)
+    gdc = pdl and pdl_device(x.device)
+    extra = dict(launch_pdl=True) if gdc else {}
     kernel[(n_tiles, split, grid_m)](
         x, sx, weight, sw, bias if bias is not None else y, y, ws, counters, m, n, k, split,
         x.stride(0), scale_strides[0], weight.stride(0), scale_strides[1], y.stride(0),
         HAS_BIAS=bias is not None, FUSE_QUANT=x.dtype != fq.FP8, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages, **constants)
+        BLOCK_K=block_k, PDL=pdl, GDC=gdc, num_warps=launch.num_warps, num_stages=launch.num_stages, **extra,
+        **constants)
     return y
+
+
+def pdl_device(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch: a CUDA GPU of compute
+    capability 9.0 or newer (Hopper's griddepcontrol) and a Triton that sets the launch attribute."""
+    return device.type == "cuda" and _pdl_capable(device.index if device.index is not None else
+                                                  torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    if INTERPRETED or torch.cuda.get_device_capability(index) < (9, 0) or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # NOTE: a Triton without the NVIDIA backend launches nothing on CUDA anyway
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def _counters(counters: torch.Tensor | None, n_tiles: int, device: torch.device) -> torch.Tensor:

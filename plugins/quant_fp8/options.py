@@ -35,6 +35,8 @@ class Fp8Options(BaseModel):
         "default: configs/<GPU name>.json bundled with the plugin, if there is one for this GPU",
     )
     tuned: bool = Field(True, description="use the table; false: the rule of thumb (default_launch) chooses every launch")
+    pdl: bool = Field(True, description="launch the Triton FP8 GEMMs with programmatic dependent launch on Hopper and "
+                      "newer: each starts reading its weight while the previous kernel finishes; false: plain launches")
 
     @field_validator("online_block")
     @classmethod
@@ -52,12 +54,14 @@ class Fp8Options(BaseModel):
 class TableSource:
     """Where a layer's launches come from: `configs`, the path of a table tune.py wrote (`--fp8.configs`),
     or None for the GPU's bundled one; `tuned` False (`--no-fp8.tuned`): no table, default_launch
-    chooses every launch. `stamp`: the file's modification time when the engine was built, so a
+    chooses every launch; `pdl` False (`--no-fp8.pdl`): the GEMMs launch without programmatic
+    dependent launch (kernels.pdl_device). `stamp`: the file's modification time when the engine was built, so a
     table rewritten in place is read again by the next engine instead of served from the cache."""
 
     configs: str | None = None
     tuned: bool = True
     stamp: int | None = None
+    pdl: bool = True
 
 
 BUNDLED = TableSource()  # no options: the GPU's bundled table
