@@ -70,6 +70,18 @@ def decode_config(head_dim: int, device: torch.device, kv_bytes: int = 2) -> Dec
 
 
 @functools.lru_cache(maxsize=None)
+def trigger_next(device: torch.device) -> bool:
+    """Whether the decode kernel lets the next kernel launch at its start (programmatic dependent
+    launch: a no-op unless that kernel was launched with it, as quant_fp8's GEMMs are on Hopper): a
+    CUDA GPU of compute capability 9.0 or newer and a Triton with griddepcontrol. Only the one-launch
+    decode (merge fused) does: its programs are few and all resident at once at decode sizes."""
+    import triton.language as tl
+
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
+
+
+@functools.lru_cache(maxsize=None)
 def extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
     if device.type != "cuda":
         return ExtendConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)

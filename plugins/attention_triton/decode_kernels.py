@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import DecodeConfig, decode_config, dot_precision
+from .configs import DecodeConfig, decode_config, dot_precision, trigger_next
 from .tile_ops import attend_tile, gather_kv_tile
 
 
@@ -80,8 +80,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, MAX_SPLITS: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # NOTE: the output projection's kernel may launch now and wait for this one's writes
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -214,7 +216,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split,
         USE_SOFTCAP=softcap > 0, USE_WINDOW=use_window, DOT_PRECISION=dot_precision(q.dtype),
-        FUSE_MERGE=fuse_merge, MAX_SPLITS=FUSED_MERGE_MAX_SPLITS,
+        FUSE_MERGE=fuse_merge, MAX_SPLITS=FUSED_MERGE_MAX_SPLITS, TRIGGER=fuse_merge and trigger_next(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if fuse_merge:
