@@ -24,7 +24,9 @@ ls .device/triton-cache.tar.xz.part-* >/dev/null 2>&1 && cat .device/triton-cach
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "from bench.run import prepare; print(*prepare(), sep='\n')"
 OUT=${OUT:-$(mktemp -d)}
-commit=$(git rev-parse --short HEAD 2>/dev/null || cat .device/commit 2>/dev/null || echo unknown)
+# NOTE: .device/commit first: the machine's copy of the tree may carry a stale git (2026-12-07: the
+# session's first commit)
+commit=$(cat .device/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 declare -A FILES=(
   [extend]="tests/gpu/test_extend_graphs_gpu.py tests/gpu/test_piecewise_gpu.py tests/lora/test_lora_extend_graphs.py tests/gpu/test_one_token_extend_gpu.py tests/executor/test_replay_inputs.py tests/gpu/test_overlap_gpu.py"

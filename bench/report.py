@@ -39,7 +39,12 @@ def card(device_name: str) -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit (with -dirty when tracked files changed), else $BACKPLANE_BENCH_COMMIT, else unknown."""
+    """$BACKPLANE_BENCH_COMMIT when set, else the checkout's short commit (with -dirty when tracked files
+    changed), else unknown. NOTE: the variable comes first: the GPU machine's copy of the tree may
+    carry a stale git (on 2026-12-07 it described the session's first commit plus -dirty)."""
+    named = os.environ.get(COMMIT_ENV)
+    if named:
+        return named
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
                              timeout=10, cwd=RESULTS.parent)
@@ -47,7 +52,7 @@ def commit() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get(COMMIT_ENV) or "unknown"
+    return "unknown"
 
 
 def _version(dist: str) -> str | None:

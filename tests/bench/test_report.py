@@ -28,6 +28,15 @@ def test_commit_without_git_comes_from_the_environment_or_is_unknown(monkeypatch
     assert report.commit() == "abc1234"
 
 
+def test_the_named_commit_wins_over_a_stale_git(monkeypatch):
+    """The GPU machine's tree described an older commit with -dirty while the named one was right."""
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, 0, "fcd7efd-dirty\n", ""))
+    monkeypatch.delenv(report.COMMIT_ENV, raising=False)
+    assert report.commit() == "fcd7efd-dirty"
+    monkeypatch.setenv(report.COMMIT_ENV, "ccd375d")
+    assert report.commit() == "ccd375d"
+
+
 def test_a_result_names_card_commit_and_date_in_its_file_and_payload(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "commit", lambda: "abc1234")
     path = report.write_result("decode", "tiny-llama", {"rows": [1]}, tmp_path, "cpu")
