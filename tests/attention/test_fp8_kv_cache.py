@@ -388,16 +388,11 @@ def test_interpreted_fp8_decode_at_hoppers_settings_matches_the_dequantized_cach
 
     cuda_capability(HOPPER)
     cfg = decode_config(HEAD_DIM, CUDA, 1)
+    from tests.helpers_kv import shuffled_fp8_pool
+
     gen = torch.Generator().manual_seed(splits)
     seq_lens = [1, 127, 300, 257, 129]
-    num_slots = sum(seq_lens) + 11
-    k_buf, v_buf = (quantize_fp8(torch.randn(num_slots + 1, KV_HEADS, HEAD_DIM, generator=gen), s)
-                    for s in (K_SCALE, V_SCALE))
-    slots = torch.randperm(num_slots, generator=gen)[:sum(seq_lens)] + 1
-    req_to_token = torch.zeros(len(seq_lens) + 2, max(seq_lens) + 5, dtype=torch.int32)
-    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[:len(seq_lens)]
-    for row, chunk in zip(rows, slots.split(seq_lens)):
-        req_to_token[row, :len(chunk)] = chunk.int()
+    k_buf, v_buf, req_to_token, rows = shuffled_fp8_pool(seq_lens, gen, KV_HEADS, HEAD_DIM, (K_SCALE, V_SCALE))
     bs = len(seq_lens)
     q = torch.randn(bs, HEADS, HEAD_DIM, generator=gen)
     logits = torch.full((bs, HEADS, splits, HEAD_DIM), float("nan"))

@@ -10,26 +10,20 @@ attention tests' figure).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from backplane.contracts.memory import dequantize_kv, quantize_fp8  # noqa: E402
+from backplane.contracts.memory import dequantize_kv  # noqa: E402
 from backplane.plugins.attention_triton import decode_kernels  # noqa: E402
 from backplane.plugins.attention_triton.configs import DecodeConfig, decode_config  # noqa: E402
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.helpers_gpu import compiled_triton_marks  # noqa: E402
+from tests.helpers_kv import shuffled_fp8_pool  # noqa: E402
 
-INTERPRETED = isinstance(decode_kernels._decode_split_kernel, InterpretedFunction) or \
-    os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(INTERPRETED, reason="kernels defined under TRITON_INTERPRET=1; run `pytest -m gpu` on this file"),
-]
+pytestmark = compiled_triton_marks(decode_kernels._decode_split_kernel, "pytest -m gpu on this file")
 BF16 = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # llama-3.1-8b
 K_SCALE, V_SCALE = 0.03, 0.02  # values ~ N(0, 1) stay below 448 * scale
@@ -37,17 +31,8 @@ TOL = dict(atol=2e-2, rtol=2e-2)
 
 
 def fp8_pool(seq_lens: list[int], gen: torch.Generator):
-    """FP8 K/V buffers ([slots + 1, KV_HEADS, HEAD_DIM], slot 0 unused), req_to_token rows in a
-    shuffled slot order, and the rows of the requests (not 0..bs-1)."""
-    num_slots = sum(seq_lens) + 13
-    k_buf, v_buf = (quantize_fp8(torch.randn(num_slots + 1, KV_HEADS, HEAD_DIM, generator=gen), s).cuda()
-                    for s in (K_SCALE, V_SCALE))
-    slots = torch.randperm(num_slots, generator=gen)[:sum(seq_lens)] + 1
-    req_to_token = torch.zeros(len(seq_lens) + 3, max(seq_lens) + 8, dtype=torch.int32)
-    rows = torch.randperm(len(seq_lens) + 3, generator=gen)[:len(seq_lens)]
-    for row, chunk in zip(rows, slots.split(seq_lens)):
-        req_to_token[row, :len(chunk)] = chunk.int()
-    return k_buf, v_buf, req_to_token.cuda(), rows.cuda()
+    """The shuffled FP8 pool of these shapes and scales on the GPU (tests/helpers_kv.py)."""
+    return shuffled_fp8_pool(seq_lens, gen, KV_HEADS, HEAD_DIM, (K_SCALE, V_SCALE), "cuda")
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -3,7 +3,6 @@ verify replayed from real CUDA graphs against eager runs. Run with `pytest -m gp
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -21,17 +20,9 @@ from backplane.plugins.attention_triton import decode_kernels  # noqa: E402
 from backplane.plugins.attention_triton.decode_kernels import decode_attention  # noqa: E402
 from backplane.plugins.attention_triton.extend_kernels import extend_attention  # noqa: E402
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.helpers_gpu import compiled_triton_marks  # noqa: E402
 
-# A kernel's mode is fixed when it is defined: if a CPU test module set TRITON_INTERPRET=1 before these
-# kernels were first imported, they run in the interpreter. Run `pytest -m gpu tests/gpu` then.
-INTERPRETED = isinstance(decode_kernels._decode_split_kernel, InterpretedFunction) or \
-    os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(INTERPRETED, reason="kernels defined under TRITON_INTERPRET=1; run `pytest -m gpu tests/gpu`"),
-]
+pytestmark = compiled_triton_marks(decode_kernels._decode_split_kernel, "pytest -m gpu tests/gpu")
 BF16 = torch.bfloat16
 ATOL = RTOL = 2e-2
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -37,12 +36,11 @@ def make_backend(name: str, ctx: AttentionBackendContext):
     """The plugin's backend over ctx, or a skip naming why it cannot run here."""
     if name == "triton":
         pytest.importorskip("triton")
-        from triton.runtime.interpreter import InterpretedFunction
-
         from backplane.plugins import attention_triton as plugin
         from backplane.plugins.attention_triton import decode_kernels
+        from tests.helpers_gpu import interpreted
 
-        if isinstance(decode_kernels._decode_split_kernel, InterpretedFunction) or os.environ.get("TRITON_INTERPRET"):
+        if interpreted(decode_kernels._decode_split_kernel):
             pytest.skip("triton kernels defined under TRITON_INTERPRET=1; run `pytest -m gpu tests/gpu`")
     else:
         if importlib.util.find_spec("flashinfer") is None:
