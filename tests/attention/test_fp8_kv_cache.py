@@ -388,7 +388,7 @@ def test_interpreted_fp8_decode_at_hoppers_settings_matches_the_dequantized_cach
 
     cuda_capability(HOPPER)
     cfg = decode_config(HEAD_DIM, CUDA, 1)
-    from tests.helpers_kv import shuffled_fp8_pool
+    from helpers_kv import shuffled_fp8_pool
 
     gen = torch.Generator().manual_seed(splits)
     seq_lens = [1, 127, 300, 257, 129]

@@ -20,8 +20,8 @@ from backplane.contracts.memory import dequantize_kv  # noqa: E402
 from backplane.plugins.attention_triton import decode_kernels  # noqa: E402
 from backplane.plugins.attention_triton.configs import DecodeConfig, decode_config  # noqa: E402
 
-from tests.helpers_gpu import compiled_triton_marks  # noqa: E402
-from tests.helpers_kv import shuffled_fp8_pool  # noqa: E402
+from helpers_gpu import compiled_triton_marks  # noqa: E402
+from helpers_kv import shuffled_fp8_pool  # noqa: E402
 
 pytestmark = compiled_triton_marks(decode_kernels._decode_split_kernel, "pytest -m gpu on this file")
 BF16 = torch.bfloat16

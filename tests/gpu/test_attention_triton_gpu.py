@@ -20,7 +20,7 @@ from backplane.plugins.attention_triton import decode_kernels  # noqa: E402
 from backplane.plugins.attention_triton.decode_kernels import decode_attention  # noqa: E402
 from backplane.plugins.attention_triton.extend_kernels import extend_attention  # noqa: E402
 
-from tests.helpers_gpu import compiled_triton_marks  # noqa: E402
+from helpers_gpu import compiled_triton_marks  # noqa: E402
 
 pytestmark = compiled_triton_marks(decode_kernels._decode_split_kernel, "pytest -m gpu tests/gpu")
 BF16 = torch.bfloat16

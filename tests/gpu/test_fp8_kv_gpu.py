@@ -38,7 +38,7 @@ def make_backend(name: str, ctx: AttentionBackendContext):
         pytest.importorskip("triton")
         from backplane.plugins import attention_triton as plugin
         from backplane.plugins.attention_triton import decode_kernels
-        from tests.helpers_gpu import interpreted
+        from helpers_gpu import interpreted
 
         if interpreted(decode_kernels._decode_split_kernel):
             pytest.skip("triton kernels defined under TRITON_INTERPRET=1; run `pytest -m gpu tests/gpu`")

@@ -21,7 +21,7 @@ from backplane.plugins.quant_fp8.config import make_config
 from backplane.plugins.quant_fp8.options import BUNDLED, Fp8Options, TableSource
 from backplane.plugins.quant_fp8.scheme import Fp8Scheme
 
-from tests.plugins.quant_fp8.test_decode_kernel import activations, channel_weights
+from test_decode_kernel import activations, channel_weights
 
 N = 80  # five 16-column tiles
 CHANNEL_LAUNCHES = {
