@@ -72,12 +72,14 @@ def decode_config(head_dim: int, device: torch.device, kv_bytes: int = 2) -> Dec
 @functools.lru_cache(maxsize=None)
 def trigger_next(device: torch.device) -> bool:
     """Whether the decode kernel lets the next kernel launch at its start (programmatic dependent
-    launch: a no-op unless that kernel was launched with it, as quant_fp8's GEMMs are on Hopper): a
-    CUDA GPU of compute capability 9.0 or newer and a Triton with griddepcontrol. Only the one-launch
-    decode (merge fused) does: its programs are few and all resident at once at decode sizes."""
+    launch: a no-op unless that kernel was launched with it, as quant_fp8's GEMMs are on Hopper): an
+    NVIDIA GPU of compute capability 9.0 or newer (not ROCm's 9.x) and a Triton with griddepcontrol.
+    Only the one-launch decode (merge fused) asks: after the two-launch one comes its merge kernel.
+    The next kernel launches only once every program of this one has started, so it never takes an
+    SM from a program of this one still waiting."""
     import triton.language as tl
 
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return (device.type == "cuda" and torch.version.cuda is not None and torch.cuda.get_device_capability(device)[0] >= 9
             and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
 
 

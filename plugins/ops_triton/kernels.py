@@ -227,8 +227,8 @@ def trigger_next(device: torch.device) -> bool:
 
 @functools.cache
 def _trigger_capable(index: int) -> bool:
-    return (os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index) >= (9, 0)
-            and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
+    return (os.environ.get("TRITON_INTERPRET") != "1" and torch.version.cuda is not None  # NOTE: not ROCm's 9.x
+            and torch.cuda.get_device_capability(index) >= (9, 0) and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

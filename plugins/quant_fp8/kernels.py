@@ -654,7 +654,9 @@ def pdl_device(device: torch.device) -> bool:
 
 @functools.cache
 def _pdl_capable(index: int) -> bool:
-    if INTERPRETED or torch.cuda.get_device_capability(index) < (9, 0) or not hasattr(tl.extra.cuda, "gdc_wait"):
+    if INTERPRETED or torch.version.cuda is None or torch.cuda.get_device_capability(index) < (9, 0):
+        return False  # NOTE: a ROCm build reports "cuda" devices of capability 9.x too
+    if not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -74,6 +74,30 @@ def test_no_wait_and_no_launch_attribute_without_a_hopper_gpu():
     assert not ops_kernels.trigger_next(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("build,capability,want", [("12.8", (9, 0), True), ("12.8", (8, 9), False),
+                                                   (None, (9, 4), False)], ids=["hopper", "ada", "rocm-mi300"])
+def test_only_an_nvidia_hopper_build_waits_or_triggers(monkeypatch, build, capability, want):
+    """A ROCm build of torch reports "cuda" devices of capability 9.x (MI300: 9.4): griddepcontrol is
+    NVIDIA's, so neither the wait nor the trigger may be compiled there."""
+    from backplane.plugins.attention_triton import configs as attention_configs
+
+    monkeypatch.setattr(torch.version, "cuda", build)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(qk, "INTERPRETED", False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    caches = (qk._pdl_capable, ops_kernels._trigger_capable, attention_configs.trigger_next)
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        device = torch.device("cuda", 0)
+        assert ops_kernels.trigger_next(device) is want and attention_configs.trigger_next(device) is want
+        assert qk.pdl_device(device) is want  # NOTE: the Triton here (3.9) has griddepcontrol and launch_pdl
+    finally:
+        for cached in caches:
+            cached.cache_clear()
+
+
 def test_the_option_reaches_the_kernels(monkeypatch):
     def config(**options):
         return make_config(QuantContext(None, torch.bfloat16, torch.device("cpu"), options=Fp8Options(**options)))
